@@ -1,0 +1,264 @@
+//! The current fiber: a thread-local pointer set by `run` around the stack
+//! switch, and the free functions a fiber calls on itself.
+//!
+//! # Thread-local access across stack switches
+//!
+//! A fiber may suspend on one thread and resume on another. LLVM may cache
+//! the address of a thread-local across a call inside one function
+//! (llvm/llvm-project#98479), so a function that reads a thread-local,
+//! suspends, and reads it again could read the *old* thread's slot. The
+//! library's own lookups are immune by construction:
+//!
+//! * every access to [`CURRENT`] and [`THREAD_ID`] goes through a small
+//!   `#[inline(never)]` function that does not suspend, so the address is
+//!   computed afresh on each call, on the thread that makes it;
+//! * the suspension functions ([`yield_value`], [`sleep`]) read the
+//!   thread-local once, *before* switching, and touch no thread-local after
+//!   the switch returns; the runner (on its own stack, on its own thread)
+//!   restores [`CURRENT`].
+
+use std::cell::Cell;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::fiber::{Msg, Yielder};
+use crate::header::{FiberId, Header};
+use crate::Priority;
+
+thread_local! {
+    /// The fiber running on this thread, or null.
+    static CURRENT: Cell<*const Header> = const { Cell::new(ptr::null()) };
+    /// This thread's id for pinning and migration counting; 0 = unassigned.
+    static THREAD_ID: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Replaces the current fiber pointer, returning the previous one.
+#[inline(never)]
+pub(crate) fn swap_current(h: *const Header) -> *const Header {
+    CURRENT.with(|c| c.replace(h))
+}
+
+/// The current fiber's header, or null. Usable from a signal handler: a
+/// const-initialised thread-local without destructor is a plain TLS read.
+#[inline(never)]
+pub(crate) fn current_header() -> *const Header {
+    CURRENT.with(|c| c.get())
+}
+
+/// A process-unique id of the calling thread (never reused, never 0).
+#[inline(never)]
+pub(crate) fn thread_id() -> u64 {
+    THREAD_ID.with(|t| {
+        let id = t.get();
+        if id != 0 {
+            return id;
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        t.set(id);
+        // First fiber run on this thread: make sure a stack overflow can be
+        // reported here.
+        crate::overflow::ensure_altstack();
+        id
+    })
+}
+
+/// Identity of the fiber running on this thread.
+///
+/// ```
+/// use spindle_fiber::{current, Fiber, FiberAttr, Priority};
+///
+/// assert!(current().is_none()); // an ordinary thread
+/// let fiber = Fiber::new(FiberAttr::new().name("worker")).unwrap();
+/// fiber.set_function(Priority::HIGHEST, || {
+///     let me = current().unwrap();
+///     (me.name().map(str::to_owned), me.priority())
+/// }).unwrap();
+/// let (name, prio) = fiber.run().unwrap().unwrap_returned();
+/// assert_eq!(name.as_deref(), Some("worker"));
+/// assert_eq!(prio, Priority::HIGHEST);
+/// ```
+#[derive(Debug, Clone)]
+pub struct CurrentFiber {
+    id: FiberId,
+    name: Option<Arc<str>>,
+    priority: Priority,
+}
+
+impl CurrentFiber {
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        self.id
+    }
+    /// The fiber's name, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+    /// The fiber's priority at the time of the call.
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+}
+
+/// The fiber running on this thread, or `None` on an ordinary thread.
+pub fn current() -> Option<CurrentFiber> {
+    let h = current_header();
+    // SAFETY: a non-null CURRENT points at the header of the fiber that
+    // `run` is running on this thread; `run` holds a reference to it.
+    let h = unsafe { h.as_ref()? };
+    Some(CurrentFiber {
+        id: h.id,
+        name: h.name.clone(),
+        priority: h.priority(),
+    })
+}
+
+/// Whether the caller runs on a fiber.
+pub fn in_fiber() -> bool {
+    !current_header().is_null()
+}
+
+/// Suspends the current fiber; `run` returns [`RunOutcome::Yielded`] with
+/// `value`. On an ordinary thread this is [`std::thread::yield_now`].
+///
+/// [`RunOutcome::Yielded`]: crate::RunOutcome::Yielded
+pub fn yield_value(value: usize) {
+    let h = current_header();
+    if h.is_null() {
+        std::thread::yield_now();
+        return;
+    }
+    // SAFETY: see `current`.
+    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    // SAFETY: the yielder was stored by this fiber's own function when it
+    // started and lives at the root of this fiber's stack, which is the
+    // stack we are running on.
+    unsafe { (*yielder).suspend(Msg::Yield(value)) };
+    // No thread-local is touched after the switch (see module docs).
+}
+
+/// Suspends the current fiber so that whoever runs it can run others; the
+/// same as `yield_value(0)`. On an ordinary thread it is
+/// [`std::thread::yield_now`].
+///
+/// ```
+/// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
+///
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// fiber.set_function(Priority::NORMAL, || {
+///     fn deep(n: u32) { if n == 0 { yield_now() } else { deep(n - 1) } }
+///     deep(10); // yield from anywhere in the call stack
+///     "done"
+/// }).unwrap();
+/// assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+/// assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned("done")));
+/// ```
+pub fn yield_now() {
+    yield_value(0)
+}
+
+/// A strong, type-erased reference to a fiber that is about to sleep or is
+/// asleep, held by the wait list of a synchronisation primitive.
+///
+/// This is the seam between fibers and synchronisation primitives:
+///
+/// 1. the fiber takes `Waiter::current()`, publishes it in a wait list
+///    (under the primitive's lock) and calls [`sleep`];
+/// 2. a waker removes it from the list (under the same lock) and calls
+///    [`Waiter::wake`], which makes the fiber runnable again: pushed onto
+///    the scheduler it was last queued on, or `Ready` if it has none.
+///
+/// The wake may happen before the fiber has finished switching out; the
+/// state machine resolves that race (DESIGN.md, "sleep/wake protocol").
+pub struct Waiter {
+    header: NonNull<Header>,
+}
+
+// SAFETY: a Waiter only holds a counted reference; every operation on it
+// goes through the header's atomics and the fiber's state machine.
+unsafe impl Send for Waiter {}
+// SAFETY: `&Waiter` only reads immutable header fields.
+unsafe impl Sync for Waiter {}
+
+impl Waiter {
+    /// A waiter for the calling fiber, or `None` on an ordinary thread.
+    pub fn current() -> Option<Waiter> {
+        let h = NonNull::new(current_header() as *mut Header)?;
+        // SAFETY: the header is alive (it is running); retain adds the
+        // strong reference this Waiter owns.
+        unsafe { (h.as_ref().vtable.retain)(h) };
+        Some(Waiter { header: h })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: we own a strong reference.
+        unsafe { self.header.as_ref() }
+    }
+
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        self.header().id
+    }
+
+    /// The fiber's priority.
+    pub fn priority(&self) -> Priority {
+        self.header().priority()
+    }
+
+    /// Sets the priority the fiber is scheduled at when woken.
+    pub fn set_priority(&self, p: Priority) {
+        self.header().priority.store(p.0, Ordering::Relaxed);
+    }
+
+    /// Wakes the fiber (waker step 3 of the protocol). Never blocks and
+    /// never allocates.
+    pub fn wake(self) {
+        let h = self.header;
+        std::mem::forget(self);
+        // SAFETY: we own one strong reference, which is handed on.
+        unsafe {
+            match h.as_ref().state.transition_to_woken() {
+                crate::state::WakeTransition::Owned => (h.as_ref().vtable.finish_wake)(h),
+                crate::state::WakeTransition::Deferred => (h.as_ref().vtable.release)(h),
+            }
+        }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        // SAFETY: we own one strong reference.
+        unsafe { (self.header.as_ref().vtable.release)(self.header) }
+    }
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("fiber", &self.header().id)
+            .field("name", &self.header().name)
+            .finish()
+    }
+}
+
+/// Puts the current fiber to sleep: `run` returns [`RunOutcome::Slept`]
+/// and the fiber stays asleep until a [`Waiter`] for it is woken.
+///
+/// Call it after publishing `Waiter::current()` where a waker will find it;
+/// a fiber that sleeps with no waiter published sleeps forever.
+///
+/// # Panics
+///
+/// On an ordinary thread (there is nothing to put to sleep: threads wait
+/// with their own primitives).
+///
+/// [`RunOutcome::Slept`]: crate::RunOutcome::Slept
+pub fn sleep() {
+    let h = current_header();
+    assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");
+    // SAFETY: as in `yield_value`.
+    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    // SAFETY: as in `yield_value`.
+    unsafe { (*yielder).suspend(Msg::Sleep) };
+}

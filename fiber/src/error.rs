@@ -1,0 +1,161 @@
+//! Error types. Every message says what happened and what to do about it.
+
+use std::fmt;
+use std::io;
+
+use crate::FiberId;
+
+/// Why a stack could not be created.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StackError {
+    /// The requested usable size is below what a fiber needs.
+    TooSmall {
+        /// Bytes requested.
+        requested: usize,
+        /// Smallest accepted size.
+        minimum: usize,
+    },
+    /// The requested usable size is beyond what this library maps.
+    TooLarge {
+        /// Bytes requested.
+        requested: usize,
+        /// Largest accepted size.
+        maximum: usize,
+    },
+    /// The kernel is out of memory (or address space) for the mapping.
+    OutOfMemory {
+        /// Bytes of the mapping, guard page included.
+        bytes: usize,
+    },
+    /// Any other `mmap`/`mprotect` failure.
+    Map {
+        /// Bytes of the mapping, guard page included.
+        bytes: usize,
+        /// The operating system's error.
+        source: io::Error,
+    },
+}
+
+impl StackError {
+    pub(crate) fn from_map_error(bytes: usize, source: io::Error) -> StackError {
+        if source.raw_os_error() == Some(libc::ENOMEM) {
+            StackError::OutOfMemory { bytes }
+        } else {
+            StackError::Map { bytes, source }
+        }
+    }
+}
+
+impl fmt::Display for StackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StackError::TooSmall { requested, minimum } => write!(
+                f,
+                "fiber stack size {requested} bytes is too small: ask for at least {minimum} bytes \
+                 (the default is 128 KiB)"
+            ),
+            StackError::TooLarge { requested, maximum } => write!(
+                f,
+                "fiber stack size {requested} bytes is too large: at most {maximum} bytes are mapped \
+                 per fiber; check the unit of the size you passed"
+            ),
+            StackError::OutOfMemory { bytes } => write!(
+                f,
+                "could not map a {bytes}-byte fiber stack: out of memory (ENOMEM). Each guarded stack \
+                 uses two kernel memory mappings, so around 32,000 live fibers hit the default \
+                 vm.max_map_count limit of 65,530: raise it (sysctl vm.max_map_count), keep fewer \
+                 fibers alive at once, or use smaller stacks"
+            ),
+            StackError::Map { bytes, source } => {
+                write!(f, "could not map a {bytes}-byte fiber stack: {source}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StackError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StackError::Map { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// Why a fiber operation was refused. The fiber is left as it was.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FiberError {
+    /// `run` on a fiber that has no function.
+    NoFunction(FiberId),
+    /// `run` on a fiber whose function already returned (or panicked).
+    Finished(FiberId),
+    /// `set_function` on a fiber suspended in the middle of its function.
+    Busy(FiberId),
+    /// `run` on a fiber that is running right now (on this or another thread).
+    Running(FiberId),
+    /// `run` on a fiber that sits in a run queue.
+    Queued(FiberId),
+    /// `run` on a fiber that sleeps on a synchronisation primitive.
+    Sleeping(FiberId),
+    /// `run` of a pinned fiber on a thread other than the one it started on.
+    WrongThread(FiberId),
+    /// The fiber's stack could not be created.
+    Stack(StackError),
+}
+
+impl fmt::Display for FiberError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FiberError::NoFunction(id) => {
+                write!(f, "fiber {id} has no function to run: call set_function first")
+            }
+            FiberError::Finished(id) => write!(
+                f,
+                "fiber {id} already returned: call set_function to give it a new function before \
+                 running it again"
+            ),
+            FiberError::Busy(id) => write!(
+                f,
+                "fiber {id} is suspended in the middle of its function: run it to completion (or \
+                 drop it) before setting a new function"
+            ),
+            FiberError::Running(id) => write!(
+                f,
+                "fiber {id} is already running: a fiber runs on one thread at a time; wait until \
+                 it suspends"
+            ),
+            FiberError::Queued(id) => write!(
+                f,
+                "fiber {id} is in a run queue: pop it from the queue before running it"
+            ),
+            FiberError::Sleeping(id) => write!(
+                f,
+                "fiber {id} is asleep on a synchronisation primitive: it becomes runnable (and is \
+                 pushed to its run queue) when woken"
+            ),
+            FiberError::WrongThread(id) => write!(
+                f,
+                "fiber {id} is pinned to the thread it started on: run it there, or create it with \
+                 the unsafe set_function_migratable if its function is safe to move"
+            ),
+            FiberError::Stack(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for FiberError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            FiberError::Stack(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<StackError> for FiberError {
+    fn from(e: StackError) -> FiberError {
+        FiberError::Stack(e)
+    }
+}

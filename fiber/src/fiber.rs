@@ -1,0 +1,657 @@
+//! The fiber object: create, set a function, run to the next suspension,
+//! reuse after return.
+
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use corosensei::{Coroutine, CoroutineResult};
+
+use crate::current::{swap_current, thread_id};
+use crate::error::FiberError;
+use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
+use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
+use crate::state::{FiberState, SleepTransition, StateCell};
+use crate::Priority;
+
+/// Why a fiber switched back to its runner (internal).
+pub(crate) enum Msg {
+    Yield(usize),
+    Sleep,
+}
+
+pub(crate) type Yielder = corosensei::Yielder<(), Msg>;
+type Coro<T> = Coroutine<(), Msg, T, FiberStack>;
+
+/// Creation attributes of a fiber.
+///
+/// ```
+/// use spindle_fiber::{Fiber, FiberAttr};
+/// let fiber = Fiber::<()>::new(FiberAttr::new().stack_size(64 * 1024).name("io")).unwrap();
+/// assert_eq!(fiber.name(), Some("io"));
+/// assert_eq!(fiber.stack_size(), 64 * 1024);
+/// ```
+#[derive(Clone)]
+pub struct FiberAttr {
+    stack_size: usize,
+    name: Option<Arc<str>>,
+    pool: &'static StackPool,
+}
+
+impl FiberAttr {
+    /// Defaults: 128 KiB usable stack, no name, the global stack pool.
+    pub fn new() -> FiberAttr {
+        FiberAttr {
+            stack_size: DEFAULT_STACK_SIZE,
+            name: None,
+            pool: StackPool::global(),
+        }
+    }
+
+    /// Usable stack bytes (rounded up to whole pages); the guard page is extra.
+    pub fn stack_size(mut self, bytes: usize) -> FiberAttr {
+        self.stack_size = bytes;
+        self
+    }
+
+    /// A name shown in `Debug`, panic reports and the stack overflow report.
+    pub fn name(mut self, name: impl Into<Arc<str>>) -> FiberAttr {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The pool the stack is taken from and returned to.
+    pub fn pool(mut self, pool: &'static StackPool) -> FiberAttr {
+        self.pool = pool;
+        self
+    }
+}
+
+impl Default for FiberAttr {
+    fn default() -> FiberAttr {
+        FiberAttr::new()
+    }
+}
+
+impl fmt::Debug for FiberAttr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FiberAttr")
+            .field("stack_size", &self.stack_size)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A panic that escaped a fiber's function, with the fiber it came from.
+pub struct Panic {
+    /// The fiber that panicked.
+    pub fiber: FiberId,
+    /// Its name, if any.
+    pub name: Option<Arc<str>>,
+    /// The payload given to `panic!`.
+    pub payload: Box<dyn Any + Send>,
+}
+
+impl Panic {
+    /// The panic message, if the payload is a string.
+    pub fn message(&self) -> Option<&str> {
+        if let Some(s) = self.payload.downcast_ref::<&'static str>() {
+            Some(s)
+        } else {
+            self.payload.downcast_ref::<String>().map(String::as_str)
+        }
+    }
+
+    /// Continues the unwind in the caller, as if the panic happened here.
+    pub fn resume_unwind(self) -> ! {
+        std::panic::resume_unwind(self.payload)
+    }
+}
+
+impl fmt::Debug for Panic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Panic")
+            .field("fiber", &self.fiber)
+            .field("name", &self.name)
+            .field("message", &self.message())
+            .finish()
+    }
+}
+
+/// Why [`Fiber::run`] came back.
+#[must_use = "a fiber's outcome says whether it can be run again"]
+#[derive(Debug)]
+pub enum RunOutcome<T> {
+    /// The fiber yielded (with [`yield_value`](crate::yield_value)'s value,
+    /// 0 for [`yield_now`](crate::yield_now)); run it again to continue.
+    Yielded(usize),
+    /// The function returned this value; the fiber may get a new function.
+    Returned(T),
+    /// The fiber went to sleep on a synchronisation primitive. It is now
+    /// owned by that primitive's wait list: whoever wakes it puts it back
+    /// on its run queue (or makes it `Ready` if it has none).
+    Slept,
+    /// The function panicked; the fiber may get a new function. Call
+    /// [`Panic::resume_unwind`] to propagate it.
+    Panicked(Panic),
+}
+
+impl<T> RunOutcome<T> {
+    /// The returned value.
+    ///
+    /// # Panics
+    /// If the fiber did not return (a panic in the fiber is resumed here).
+    #[track_caller]
+    pub fn unwrap_returned(self) -> T {
+        match self {
+            RunOutcome::Returned(v) => v,
+            RunOutcome::Panicked(p) => p.resume_unwind(),
+            RunOutcome::Yielded(v) => panic!("expected the fiber to return, it yielded {v}"),
+            RunOutcome::Slept => panic!("expected the fiber to return, it went to sleep"),
+        }
+    }
+
+    /// Whether the fiber can be run again without a new function.
+    pub fn is_suspended(&self) -> bool {
+        matches!(self, RunOutcome::Yielded(_) | RunOutcome::Slept)
+    }
+}
+
+/// Where a woken fiber goes: implemented by run queues and executors.
+///
+/// This trait is the only coupling between fibers and scheduling. A fiber
+/// remembers the scheduler it was last queued on (see
+/// [`Fiber::mark_queued`]); when a synchronisation primitive wakes it, it
+/// hands itself to that scheduler.
+pub trait Schedule<T>: Send + Sync + 'static {
+    /// Takes a woken fiber, already in state [`FiberState::Queued`], and
+    /// makes it runnable. Called from whatever thread woke the fiber: must
+    /// not block for long and must not drop the fiber on the floor.
+    fn schedule(&self, fiber: Fiber<T>);
+}
+
+/// The typed slot, owned exclusively by whoever holds the fiber's state.
+struct Slot<T> {
+    /// The current function's coroutine (it owns the stack meanwhile).
+    coro: Option<Coro<T>>,
+    /// The stack while no function is set.
+    stack: Option<FiberStack>,
+    /// The scheduler this fiber was last queued on.
+    home: Option<Arc<dyn Schedule<T>>>,
+    /// May the current function run on another thread than its first?
+    migratable: bool,
+    /// Thread the current function first ran on (0: not started).
+    pinned_to: u64,
+    pool: &'static StackPool,
+}
+
+#[repr(C)]
+struct Inner<T> {
+    header: Header,
+    slot: UnsafeCell<Slot<T>>,
+}
+
+/// A stackful fiber that returns `T`.
+///
+/// `Fiber` is a cheap, clonable handle (an `Arc`); its state machine makes
+/// sure only one party runs, queues or rewrites it at a time. The fiber and
+/// its stack are released when the last handle (including those held by run
+/// queues and wait lists) is dropped; a fiber suspended mid-function is then
+/// unwound, so destructors of its locals run.
+///
+/// ```
+/// use spindle_fiber::{yield_value, Fiber, FiberAttr, Priority, RunOutcome};
+///
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// fiber.set_function(Priority::NORMAL, || {
+///     for i in 0..3 { yield_value(i) }
+///     "done"
+/// }).unwrap();
+/// for i in 0..3 {
+///     assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(v) if v == i));
+/// }
+/// assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned("done")));
+/// assert!(fiber.run().is_err()); // finished: set a new function first
+/// ```
+///
+/// # Threads
+///
+/// `Fiber<T>` is `Send` and `Sync` for `T: Send`. A function set with the
+/// safe [`set_function`](Fiber::set_function) is *pinned*: once started, it
+/// runs only on the thread that started it (elsewhere `run` returns
+/// [`FiberError::WrongThread`]), because its suspended stack may hold `!Send`
+/// values and thread-local references. A function set with the unsafe
+/// [`set_function_migratable`](Fiber::set_function_migratable) may resume on
+/// any thread. See DESIGN.md, "Soundness".
+///
+/// ```compile_fail
+/// // Captured values must be Send: an Rc could be reached from two threads.
+/// let rc = std::rc::Rc::new(1);
+/// let f = spindle_fiber::Fiber::new(Default::default()).unwrap();
+/// f.set_function(Default::default(), move || *rc).unwrap();
+/// ```
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::Fiber<String>>();
+/// ```
+///
+/// ```compile_fail
+/// fn assert_send<T: Send>() {}
+/// assert_send::<spindle_fiber::Fiber<std::rc::Rc<u8>>>();
+/// ```
+pub struct Fiber<T = ()> {
+    inner: NonNull<Inner<T>>,
+    _owns: PhantomData<Arc<Inner<T>>>,
+}
+
+// SAFETY: all shared mutation goes through the state machine (atomics) or
+// is confined to the exclusive owner of the state; the function captured
+// is Send; a pinned function is only resumed or unwound on its own thread;
+// values of T cross threads (returned to whoever runs it) so T: Send.
+unsafe impl<T: Send> Send for Fiber<T> {}
+// SAFETY: every `&self` method is guarded by the state machine.
+unsafe impl<T: Send> Sync for Fiber<T> {}
+
+impl<T: Send + 'static> Fiber<T> {
+    const VTABLE: VTable = VTable {
+        retain: Self::erased_retain,
+        release: Self::erased_release,
+        finish_wake: Self::erased_finish_wake,
+    };
+
+    /// Creates a fiber with no function, taking its stack from the pool.
+    pub fn new(attr: FiberAttr) -> Result<Fiber<T>, FiberError> {
+        crate::overflow::install();
+        crate::report::install_panic_hook();
+        let stack = attr.pool.take(attr.stack_size)?;
+        let header = Header {
+            id: FiberId::next(),
+            name: attr.name,
+            state: StateCell::new(FiberState::Empty),
+            priority: AtomicU8::new(Priority::NORMAL.0),
+            stack_size: stack.usable_size(),
+            guard: stack.guard_range(),
+            yielder: AtomicPtr::new(std::ptr::null_mut()),
+            last_thread: AtomicU64::new(0),
+            counters: Counters::default(),
+            vtable: &Self::VTABLE,
+        };
+        let inner = Arc::new(Inner {
+            header,
+            slot: UnsafeCell::new(Slot {
+                coro: None,
+                stack: Some(stack),
+                home: None,
+                migratable: false,
+                pinned_to: 0,
+                pool: attr.pool,
+            }),
+        });
+        Ok(Fiber::from_arc(inner))
+    }
+
+    /// Gives the fiber a function to run and the priority it is scheduled
+    /// at. Allowed when the fiber is empty, finished, or has a function that
+    /// has not started yet (which is dropped).
+    ///
+    /// The function is pinned to the thread that first runs it.
+    pub fn set_function<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
+    where
+        F: FnOnce() -> T + Send + 'static,
+    {
+        self.install(priority, f, false)
+    }
+
+    /// Like [`set_function`](Fiber::set_function), but the function may be
+    /// resumed on any thread after a suspension.
+    ///
+    /// # Safety
+    ///
+    /// Across every suspension point of `f` (a yield or a sleep, in `f` or
+    /// anything it calls), the caller guarantees that:
+    /// - no value that is not `Send` is alive on the fiber's stack (no `Rc`,
+    ///   `RefCell` borrow guard, `MutexGuard` or other thread-affine value);
+    /// - no reference into a thread-local is held (e.g. no suspension inside
+    ///   a `LocalKey::with` closure), and thread-locals read after a
+    ///   suspension are read through a function that is not inlined into
+    ///   the one that suspended (llvm/llvm-project#98479).
+    pub unsafe fn set_function_migratable<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
+    where
+        F: FnOnce() -> T + Send + 'static,
+    {
+        self.install(priority, f, true)
+    }
+
+    fn install<F>(&self, priority: Priority, f: F, migratable: bool) -> Result<(), FiberError>
+    where
+        F: FnOnce() -> T + Send + 'static,
+    {
+        let h = self.header();
+        let claimed = [FiberState::Empty, FiberState::Finished, FiberState::Ready]
+            .into_iter()
+            .find(|&s| h.state.transition(s, FiberState::Locked).is_ok());
+        let Some(from) = claimed else {
+            return Err(self.busy_error(h.state.load()));
+        };
+        // SAFETY: we hold the state `Locked`.
+        let slot = unsafe { self.slot() };
+        if from == FiberState::Ready {
+            if slot.coro.as_ref().is_some_and(|c| c.started()) {
+                h.state.store(FiberState::Ready);
+                return Err(FiberError::Busy(h.id));
+            }
+            // A function that never started: drop it (on any thread: F: Send).
+            if let Some(mut c) = slot.coro.take() {
+                c.force_unwind();
+                slot.stack = Some(c.into_stack());
+            }
+        }
+        let stack = slot.stack.take().expect("an idle fiber keeps its stack");
+        let coro = Coroutine::with_stack(stack, move |y: &Yielder, ()| {
+            // SAFETY: the runner set CURRENT to this fiber before resuming;
+            // this runs before the first suspension (see current.rs).
+            unsafe {
+                (*crate::current::current_header())
+                    .yielder
+                    .store(y as *const Yielder as *mut (), Ordering::Relaxed)
+            };
+            f()
+        });
+        slot.coro = Some(coro);
+        slot.migratable = migratable;
+        slot.pinned_to = 0;
+        h.priority.store(priority.0, Ordering::Relaxed);
+        h.state.store(FiberState::Ready);
+        Ok(())
+    }
+
+    /// Runs the fiber on the calling thread until its next suspension point.
+    ///
+    /// Nesting is supported: a fiber may run another fiber; the inner one
+    /// suspends back into the outer one, and [`current`](crate::current) is
+    /// right on both sides.
+    pub fn run(&self) -> Result<RunOutcome<T>, FiberError> {
+        let h = self.header();
+        if let Err(found) = h.state.transition(FiberState::Ready, FiberState::Running) {
+            return Err(self.run_error(found));
+        }
+        // SAFETY: we hold the state `Running`.
+        let slot = unsafe { self.slot() };
+        let me = thread_id();
+        if slot.pinned_to != 0 && !slot.migratable && slot.pinned_to != me {
+            h.state.store(FiberState::Ready);
+            return Err(FiberError::WrongThread(h.id));
+        }
+        slot.pinned_to = me;
+        Counters::bump(&h.counters.runs);
+        let last = h.last_thread.load(Ordering::Relaxed);
+        if last != me {
+            if last != 0 {
+                Counters::bump(&h.counters.migrations);
+            }
+            h.last_thread.store(me, Ordering::Relaxed);
+        }
+        let coro = slot.coro.as_mut().expect("a Ready fiber has a function");
+
+        let prev = swap_current(h);
+        let result = catch_unwind(AssertUnwindSafe(|| coro.resume(())));
+        swap_current(prev);
+
+        Ok(match result {
+            Ok(CoroutineResult::Yield(Msg::Yield(v))) => {
+                Counters::bump(&h.counters.yields);
+                h.state.transition_to_yielded();
+                RunOutcome::Yielded(v)
+            }
+            Ok(CoroutineResult::Yield(Msg::Sleep)) => {
+                Counters::bump(&h.counters.sleeps);
+                match h.state.transition_to_sleeping() {
+                    SleepTransition::Asleep => {}
+                    // A waker came between the fiber publishing its waiter
+                    // and the switch: finish the wake for it (runner step 5).
+                    // SAFETY: we hold the state `Locked`.
+                    SleepTransition::AlreadyWoken => unsafe { self.finish_wake_owned() },
+                }
+                RunOutcome::Slept
+            }
+            Ok(CoroutineResult::Return(v)) => {
+                self.finish(slot);
+                RunOutcome::Returned(v)
+            }
+            Err(payload) => {
+                self.finish(slot);
+                RunOutcome::Panicked(Panic {
+                    fiber: h.id,
+                    name: h.name.clone(),
+                    payload,
+                })
+            }
+        })
+    }
+
+    fn finish(&self, slot: &mut Slot<T>) {
+        let coro = slot.coro.take().expect("finished fiber had a coroutine");
+        slot.stack = Some(coro.into_stack());
+        slot.pinned_to = 0;
+        self.header().state.store(FiberState::Finished);
+    }
+
+    /// For schedulers: `Ready` → `Queued`, remembering `home` as the
+    /// scheduler a wake sends the fiber back to. Undo with
+    /// [`mark_dequeued`](Fiber::mark_dequeued) if the fiber is not queued
+    /// after all.
+    pub fn mark_queued(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
+        let h = self.header();
+        h.state
+            .transition(FiberState::Ready, FiberState::Locked)
+            .map_err(|s| self.run_error(s))?;
+        if let Some(home) = home {
+            // SAFETY: we hold the state `Locked`.
+            let slot = unsafe { self.slot() };
+            if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
+                slot.home = Some(Arc::clone(home));
+            }
+        }
+        h.state.store(FiberState::Queued);
+        Ok(())
+    }
+
+    /// For schedulers: `Queued` → `Ready` when taking the fiber out of a
+    /// queue to run it (or handing it back).
+    pub fn mark_dequeued(&self) -> Result<(), FiberError> {
+        self.header()
+            .state
+            .transition(FiberState::Queued, FiberState::Ready)
+            .map_err(|s| self.run_error(s))
+    }
+
+    /// Finishes a wake the caller owns (state `Locked`).
+    ///
+    /// # Safety
+    /// The caller holds the state `Locked`.
+    unsafe fn finish_wake_owned(&self) {
+        // SAFETY: the caller holds `Locked`.
+        let slot = unsafe { self.slot() };
+        match slot.home.clone() {
+            Some(home) => {
+                self.header().state.store(FiberState::Queued);
+                home.schedule(self.clone());
+            }
+            None => self.header().state.store(FiberState::Ready),
+        }
+    }
+
+    unsafe fn erased_retain(h: NonNull<Header>) {
+        // SAFETY: h is the header of a live Arc<Inner<T>> (repr(C) first field).
+        unsafe { Arc::increment_strong_count(h.as_ptr() as *const Inner<T>) }
+    }
+
+    unsafe fn erased_release(h: NonNull<Header>) {
+        // SAFETY: the caller owns one strong reference.
+        unsafe { drop(Arc::from_raw(h.as_ptr() as *const Inner<T>)) }
+    }
+
+    unsafe fn erased_finish_wake(h: NonNull<Header>) {
+        // SAFETY: the caller owns one strong reference and holds `Locked`.
+        let fiber = Fiber::<T> {
+            inner: h.cast(),
+            _owns: PhantomData,
+        };
+        unsafe { fiber.finish_wake_owned() }
+    }
+}
+
+impl<T> Fiber<T> {
+    fn from_arc(arc: Arc<Inner<T>>) -> Fiber<T> {
+        // SAFETY: Arc::into_raw is never null.
+        Fiber {
+            inner: unsafe { NonNull::new_unchecked(Arc::into_raw(arc) as *mut Inner<T>) },
+            _owns: PhantomData,
+        }
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: we own a strong reference.
+        unsafe { &self.inner.as_ref().header }
+    }
+
+    /// # Safety
+    /// The caller holds the fiber's state exclusively (see state.rs).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot(&self) -> &mut Slot<T> {
+        // SAFETY: exclusivity is the caller's obligation.
+        unsafe { &mut *self.inner.as_ref().slot.get() }
+    }
+
+    /// The fiber's process-unique id.
+    pub fn id(&self) -> FiberId {
+        self.header().id
+    }
+
+    /// The fiber's name, if any.
+    pub fn name(&self) -> Option<&str> {
+        self.header().name.as_deref()
+    }
+
+    /// Its priority.
+    pub fn priority(&self) -> Priority {
+        self.header().priority()
+    }
+
+    /// Changes its priority. A queued fiber keeps its place until it is
+    /// next pushed, unless its queue says otherwise.
+    pub fn set_priority(&self, p: Priority) {
+        self.header().priority.store(p.0, Ordering::Relaxed);
+    }
+
+    /// Where it is in its life (a snapshot).
+    pub fn state(&self) -> FiberState {
+        self.header().state.load()
+    }
+
+    /// Usable stack bytes.
+    pub fn stack_size(&self) -> usize {
+        self.header().stack_size
+    }
+
+    /// A snapshot of its counters.
+    pub fn stats(&self) -> FiberStats {
+        self.header().stats()
+    }
+
+    /// Whether two handles refer to the same fiber.
+    pub fn ptr_eq(a: &Fiber<T>, b: &Fiber<T>) -> bool {
+        a.inner == b.inner
+    }
+
+    fn run_error(&self, found: FiberState) -> FiberError {
+        let id = self.header().id;
+        match found {
+            FiberState::Empty => FiberError::NoFunction(id),
+            FiberState::Finished => FiberError::Finished(id),
+            FiberState::Queued => FiberError::Queued(id),
+            FiberState::Sleeping => FiberError::Sleeping(id),
+            FiberState::Running | FiberState::RunningWoken | FiberState::Locked | FiberState::Ready => {
+                FiberError::Running(id)
+            }
+        }
+    }
+
+    fn busy_error(&self, found: FiberState) -> FiberError {
+        let id = self.header().id;
+        match found {
+            FiberState::Running | FiberState::RunningWoken | FiberState::Locked => FiberError::Running(id),
+            FiberState::Queued => FiberError::Queued(id),
+            _ => FiberError::Busy(id),
+        }
+    }
+}
+
+impl<T> Clone for Fiber<T> {
+    fn clone(&self) -> Fiber<T> {
+        // SAFETY: we own a strong reference, so the count is at least one.
+        unsafe { Arc::increment_strong_count(self.inner.as_ptr() as *const Inner<T>) };
+        Fiber {
+            inner: self.inner,
+            _owns: PhantomData,
+        }
+    }
+}
+
+impl<T> Drop for Fiber<T> {
+    fn drop(&mut self) {
+        // SAFETY: we own one strong reference.
+        unsafe { drop(Arc::from_raw(self.inner.as_ptr() as *const Inner<T>)) }
+    }
+}
+
+impl<T> Drop for Inner<T> {
+    fn drop(&mut self) {
+        let slot = self.slot.get_mut();
+        if let Some(mut coro) = slot.coro.take() {
+            let may_unwind = !coro.started() || slot.migratable || slot.pinned_to == thread_id();
+            if may_unwind {
+                // Unwind the suspended stack so its locals' destructors run,
+                // with CURRENT naming this fiber meanwhile.
+                let prev = swap_current(&self.header);
+                let r = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
+                swap_current(prev);
+                if r.is_ok() || coro.done() {
+                    slot.stack = Some(coro.into_stack());
+                } else {
+                    let _ = ManuallyDrop::new(coro);
+                    crate::report::note_leaked_stack();
+                }
+            } else {
+                // A pinned fiber's stack may hold values that must not be
+                // touched from this thread: leak the stack rather than run
+                // its destructors here.
+                let _ = ManuallyDrop::new(coro);
+                crate::report::note_leaked_stack();
+            }
+        }
+        if let Some(stack) = slot.stack.take() {
+            slot.pool.give(stack);
+        }
+    }
+}
+
+impl<T> fmt::Debug for Fiber<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = self.header();
+        f.debug_struct("Fiber")
+            .field("id", &h.id)
+            .field("name", &h.name)
+            .field("state", &h.state.load())
+            .field("priority", &h.priority())
+            .field("stack_size", &h.stack_size)
+            .finish()
+    }
+}

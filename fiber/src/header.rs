@@ -1,0 +1,146 @@
+//! The type-erased part of a fiber: what the current-fiber lookup, the wait
+//! seam and the stack overflow handler need, without knowing the fiber's
+//! return type.
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use crate::state::StateCell;
+
+/// A fiber's process-unique identifier. Never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FiberId(NonZeroU64);
+
+impl FiberId {
+    pub(crate) fn next() -> FiberId {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        FiberId(NonZeroU64::new(id).expect("fiber id counter wrapped"))
+    }
+
+    /// The id as a number.
+    pub fn as_u64(self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl fmt::Display for FiberId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A scheduling priority: larger values run first.
+///
+/// ```
+/// use spindle_fiber::Priority;
+/// assert!(Priority::HIGHEST > Priority::NORMAL);
+/// assert!(Priority::NORMAL > Priority::LOWEST);
+/// assert_eq!(Priority::default(), Priority::NORMAL);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Priority(pub u8);
+
+impl Priority {
+    /// Runs before everything else.
+    pub const HIGHEST: Priority = Priority(u8::MAX);
+    /// The default.
+    pub const NORMAL: Priority = Priority(128);
+    /// Runs when nothing else is ready.
+    pub const LOWEST: Priority = Priority(0);
+}
+
+impl Default for Priority {
+    fn default() -> Priority {
+        Priority::NORMAL
+    }
+}
+
+/// Per-fiber counters, written only by whoever runs the fiber (relaxed
+/// load + store, no read-modify-write), readable from anywhere.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) runs: AtomicU64,
+    pub(crate) yields: AtomicU64,
+    pub(crate) sleeps: AtomicU64,
+    pub(crate) migrations: AtomicU64,
+}
+
+impl Counters {
+    #[inline]
+    pub(crate) fn bump(c: &AtomicU64) {
+        c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of a fiber's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FiberStats {
+    /// Times `run` switched into the fiber.
+    pub runs: u64,
+    /// Times the fiber yielded.
+    pub yields: u64,
+    /// Times the fiber went to sleep on a synchronisation primitive.
+    pub sleeps: u64,
+    /// Times the fiber was resumed on a different thread than the previous run.
+    pub migrations: u64,
+}
+
+/// Functions of the typed fiber that erased code calls.
+pub(crate) struct VTable {
+    /// Adds a strong reference.
+    pub(crate) retain: unsafe fn(NonNull<Header>),
+    /// Drops a strong reference.
+    pub(crate) release: unsafe fn(NonNull<Header>),
+    /// Finishes a wake the caller owns (state `Locked`), consuming one
+    /// strong reference: stores `Queued` and schedules the fiber on its
+    /// home, or stores `Ready` if it has none.
+    pub(crate) finish_wake: unsafe fn(NonNull<Header>),
+}
+
+/// The erased head of every fiber. `#[repr(C)]` first field of the typed
+/// fiber, so a `NonNull<Header>` converts back to the typed allocation.
+pub(crate) struct Header {
+    pub(crate) id: FiberId,
+    pub(crate) name: Option<Arc<str>>,
+    pub(crate) state: StateCell,
+    pub(crate) priority: AtomicU8,
+    /// Usable size of the stack, guard range: fixed at creation, read by the
+    /// overflow handler.
+    pub(crate) stack_size: usize,
+    pub(crate) guard: (usize, usize),
+    /// Address of the corosensei yielder of the current function. Written
+    /// by the fiber itself when its function starts, read only by the fiber
+    /// itself (in `yield_now`/`sleep`).
+    pub(crate) yielder: AtomicPtr<()>,
+    /// Thread id of the last run; written by the runner.
+    pub(crate) last_thread: AtomicU64,
+    pub(crate) counters: Counters,
+    pub(crate) vtable: &'static VTable,
+}
+
+impl Header {
+    pub(crate) fn priority(&self) -> crate::Priority {
+        crate::Priority(self.priority.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn stats(&self) -> FiberStats {
+        let c = &self.counters;
+        FiberStats {
+            runs: c.runs.load(Ordering::Relaxed),
+            yields: c.yields.load(Ordering::Relaxed),
+            sleeps: c.sleeps.load(Ordering::Relaxed),
+            migrations: c.migrations.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn display_name(&self) -> String {
+        match &self.name {
+            Some(n) => format!("'{n}' ({})", self.id),
+            None => format!("{}", self.id),
+        }
+    }
+}

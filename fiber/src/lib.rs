@@ -1,0 +1,68 @@
+//! Stackful fibers for Rust: create one with attributes, give it a function
+//! and a priority, [`run`](Fiber::run) it until its next suspension point,
+//! yield from anywhere in its call stack, get its return value, and reuse it
+//! (and its stack) for another function.
+//!
+//! ```
+//! use spindle_fiber::{yield_value, Fiber, FiberAttr, Priority, RunOutcome};
+//!
+//! let fiber = Fiber::new(FiberAttr::new().name("counter")).unwrap();
+//! fiber.set_function(Priority::NORMAL, || {
+//!     for i in 0..10 {
+//!         yield_value(i);
+//!     }
+//!     10
+//! }).unwrap();
+//! let mut seen = Vec::new();
+//! loop {
+//!     match fiber.run().unwrap() {
+//!         RunOutcome::Yielded(v) => seen.push(v),
+//!         RunOutcome::Returned(v) => { seen.push(v); break }
+//!         other => panic!("unexpected {other:?}"),
+//!     }
+//! }
+//! assert_eq!(seen, (0..=10).collect::<Vec<_>>());
+//! ```
+//!
+//! This crate knows nothing about scheduling beyond one seam: a fiber
+//! remembers the [`Schedule`] it was last queued on, and when a
+//! synchronisation primitive wakes it (through a [`Waiter`]) it hands itself
+//! back there. `spindle-run-queue`, `spindle-sync` and `spindle-executor`
+//! build on that seam.
+//!
+//! Stacks are anonymous mappings with a guard page, pooled by a
+//! [`StackPool`]; a stack overflow in a fiber prints a report naming the
+//! fiber and aborts.
+//!
+//! See DESIGN.md for the state machine, the sleep/wake protocol and the
+//! soundness argument for fibers that move between threads.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+#[cfg(not(unix))]
+compile_error!("spindle-fiber supports unix targets only (mmap'd stacks, signal-based overflow reports)");
+
+mod current;
+mod error;
+mod fiber;
+mod header;
+mod loom;
+mod overflow;
+mod report;
+mod stack;
+mod state;
+
+pub use current::{current, in_fiber, sleep, yield_now, yield_value, CurrentFiber, Waiter};
+pub use error::{FiberError, StackError};
+pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
+pub use header::{FiberId, FiberStats, Priority};
+pub use report::leaked_stacks;
+pub use stack::{FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE};
+pub use state::FiberState;
+
+#[doc(hidden)]
+pub mod __loom {
+    //! The state machine, exposed for the loom model tests only.
+    pub use crate::state::*;
+}

@@ -1,0 +1,168 @@
+//! Stack overflow reports for fibers.
+//!
+//! A fiber that runs past its stack touches the `PROT_NONE` guard page and
+//! the kernel raises `SIGSEGV` (or `SIGBUS`). The handler installed here
+//! runs on the thread's alternate signal stack; if the faulting address lies
+//! in the guard page of the fiber running on this thread, it prints
+//!
+//! ```text
+//! fiber 'name' (#7) has overflowed its stack (131072 bytes)
+//! fatal runtime error: stack overflow in a fiber, aborting
+//! ```
+//!
+//! and aborts, like Rust's own report for threads. Any other fault goes to
+//! the handler that was installed before (Rust's own, which reports thread
+//! stack overflows), or to the default action.
+//!
+//! Everything the handler does is async-signal-safe: a thread-local read,
+//! reads of immutable header fields, `write(2)` and `abort`.
+
+use std::mem::MaybeUninit;
+use std::ptr;
+use std::sync::Once;
+
+use crate::current::current_header;
+
+static mut PREVIOUS: [MaybeUninit<libc::sigaction>; 2] = [MaybeUninit::uninit(), MaybeUninit::uninit()];
+static INSTALL: Once = Once::new();
+
+const SIGNALS: [libc::c_int; 2] = [libc::SIGSEGV, libc::SIGBUS];
+
+/// Installs the handler once per process.
+pub(crate) fn install() {
+    INSTALL.call_once(|| {
+        for (i, &sig) in SIGNALS.iter().enumerate() {
+            // SAFETY: plain sigaction calls; PREVIOUS is written here once,
+            // before the handler that reads it can run (it is installed by
+            // the same call that fills the slot).
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = handler as *const () as usize;
+                action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut action.sa_mask);
+                let prev = ptr::addr_of_mut!(PREVIOUS[i]) as *mut libc::sigaction;
+                libc::sigaction(sig, &action, prev);
+            }
+        }
+    });
+}
+
+/// Makes sure the calling thread has an alternate signal stack, so the
+/// handler can run after a stack overflow. Threads started by Rust's std
+/// already have one; threads started elsewhere get one here (leaked with
+/// the thread: it is small and per thread).
+pub(crate) fn ensure_altstack() {
+    // SAFETY: querying and setting the alternate stack of this thread.
+    unsafe {
+        let mut old: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(ptr::null(), &mut old) != 0 || old.ss_flags & libc::SS_DISABLE == 0 {
+            return;
+        }
+        let size = libc::SIGSTKSZ.max(64 * 1024);
+        let mem = libc::mmap(
+            ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if mem == libc::MAP_FAILED {
+            return;
+        }
+        let st = libc::stack_t {
+            ss_sp: mem,
+            ss_flags: 0,
+            ss_size: size,
+        };
+        libc::sigaltstack(&st, ptr::null_mut());
+    }
+}
+
+extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let h = current_header();
+    // SAFETY: a non-null CURRENT is the header of the fiber running on this
+    // thread, kept alive by its runner; its fields read here are immutable.
+    if let Some(h) = unsafe { h.as_ref() } {
+        let (lo, hi) = h.guard;
+        if addr >= lo && addr < hi {
+            let mut buf = Buf::new();
+            buf.push(b"\nfiber ");
+            if let Some(name) = &h.name {
+                buf.push(b"'");
+                buf.push(name.as_bytes());
+                buf.push(b"' ");
+            }
+            buf.push(b"(#");
+            buf.push_num(h.id.as_u64());
+            buf.push(b") has overflowed its stack (");
+            buf.push_num(h.stack_size as u64);
+            buf.push(b" bytes)\nfatal runtime error: stack overflow in a fiber, aborting\n");
+            // SAFETY: write(2) and abort(3) are async-signal-safe.
+            unsafe {
+                libc::write(2, buf.bytes.as_ptr() as *const libc::c_void, buf.len);
+                libc::abort();
+            }
+        }
+    }
+    chain(sig, info, ctx);
+}
+
+/// Passes a fault that is not ours to the previous handler.
+fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let i = if sig == libc::SIGSEGV { 0 } else { 1 };
+    // SAFETY: PREVIOUS[i] was filled before this handler was installed.
+    unsafe {
+        let prev = &*(ptr::addr_of!(PREVIOUS[i]) as *const libc::sigaction);
+        let action = prev.sa_sigaction;
+        if action == libc::SIG_DFL || action == libc::SIG_IGN {
+            // Restore the default and return: the faulting instruction runs
+            // again and the default action (a core dump) takes place.
+            libc::sigaction(sig, prev, ptr::null_mut());
+        } else if prev.sa_flags & libc::SA_SIGINFO != 0 {
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                std::mem::transmute(action);
+            f(sig, info, ctx);
+        } else {
+            let f: extern "C" fn(libc::c_int) = std::mem::transmute(action);
+            f(sig);
+        }
+    }
+}
+
+/// A fixed buffer for the report: no allocation in a signal handler.
+struct Buf {
+    bytes: [u8; 512],
+    len: usize,
+}
+
+impl Buf {
+    fn new() -> Buf {
+        Buf {
+            bytes: [0; 512],
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, s: &[u8]) {
+        let n = s.len().min(self.bytes.len() - self.len);
+        self.bytes[self.len..self.len + n].copy_from_slice(&s[..n]);
+        self.len += n;
+    }
+
+    fn push_num(&mut self, mut v: u64) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..]);
+    }
+}

@@ -1,0 +1,228 @@
+//! Guarded, mmap'd fiber stacks and the pool that recycles them.
+//!
+//! A [`FiberStack`] is one anonymous mapping: a `PROT_NONE` guard page at the
+//! low end and the usable region above it (stacks grow down). The
+//! [`StackPool`] keeps returned stacks so that creating a fiber in a steady
+//! state costs no system call.
+
+use std::fmt;
+use std::sync::{Mutex, OnceLock};
+
+use corosensei::stack::{Stack, StackPointer, MIN_STACK_SIZE};
+use memmap2::{MmapMut, MmapOptions};
+
+use crate::error::StackError;
+
+/// Default usable stack size: 128 KiB, as in the design reference.
+pub const DEFAULT_STACK_SIZE: usize = 128 * 1024;
+
+/// Largest usable stack size accepted (1 GiB): larger requests are almost
+/// certainly a unit mistake.
+pub const MAX_STACK_SIZE: usize = 1 << 30;
+
+/// Default number of stacks a [`StackPool`] keeps for reuse.
+pub const DEFAULT_POOL_CAPACITY: usize = 1024;
+
+pub(crate) fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize })
+}
+
+/// A fiber stack: an anonymous mapping with a guard page below the usable
+/// region.
+///
+/// Implements corosensei's [`Stack`] trait. Obtain one through
+/// [`StackPool::take`]; give it back with [`StackPool::give`] (fibers do both
+/// for you).
+pub struct FiberStack {
+    map: MmapMut,
+    usable: usize,
+}
+
+// SAFETY: the mapping is owned memory with no thread affinity.
+unsafe impl Send for FiberStack {}
+
+impl FiberStack {
+    /// Maps a new stack with `usable` bytes (rounded up to whole pages) plus
+    /// one guard page.
+    pub fn new(usable: usize) -> Result<FiberStack, StackError> {
+        let usable = checked_size(usable)?;
+        let page = page_size();
+        let total = usable + page;
+        let map = MmapOptions::new()
+            .len(total)
+            .stack()
+            .map_anon()
+            .map_err(|e| StackError::from_map_error(total, e))?;
+        // SAFETY: the first page lies inside the mapping we own; making it
+        // PROT_NONE only removes access to memory nobody references yet.
+        let rc = unsafe { libc::mprotect(map.as_ptr() as *mut libc::c_void, page, libc::PROT_NONE) };
+        if rc != 0 {
+            return Err(StackError::from_map_error(total, std::io::Error::last_os_error()));
+        }
+        Ok(FiberStack { map, usable })
+    }
+
+    /// Usable bytes (excluding the guard page).
+    pub fn usable_size(&self) -> usize {
+        self.usable
+    }
+
+    /// The guard page's address range `[start, end)`.
+    pub fn guard_range(&self) -> (usize, usize) {
+        let start = self.map.as_ptr() as usize;
+        (start, start + page_size())
+    }
+
+    /// The usable region's address range `[low, high)`.
+    pub fn usable_range(&self) -> (usize, usize) {
+        let low = self.map.as_ptr() as usize + page_size();
+        (low, low + self.usable)
+    }
+}
+
+/// Validates and rounds a requested usable size.
+pub(crate) fn checked_size(requested: usize) -> Result<usize, StackError> {
+    if requested < MIN_STACK_SIZE {
+        return Err(StackError::TooSmall {
+            requested,
+            minimum: MIN_STACK_SIZE,
+        });
+    }
+    if requested > MAX_STACK_SIZE {
+        return Err(StackError::TooLarge {
+            requested,
+            maximum: MAX_STACK_SIZE,
+        });
+    }
+    let page = page_size();
+    Ok(requested.div_ceil(page) * page)
+}
+
+// SAFETY: base and limit are page aligned (hence STACK_ALIGNMENT aligned),
+// the region [limit, base) is mapped read-write for the stack's lifetime
+// and the limit sits directly above a PROT_NONE guard page.
+unsafe impl Stack for FiberStack {
+    fn base(&self) -> StackPointer {
+        let (_, high) = self.usable_range();
+        StackPointer::new(high).expect("mapping is never at address zero")
+    }
+
+    fn limit(&self) -> StackPointer {
+        StackPointer::new(self.map.as_ptr() as usize).expect("mapping is never at address zero")
+    }
+}
+
+impl fmt::Debug for FiberStack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (low, high) = self.usable_range();
+        f.debug_struct("FiberStack")
+            .field("usable", &self.usable)
+            .field("range", &format_args!("{low:#x}..{high:#x}"))
+            .finish()
+    }
+}
+
+/// A bounded cache of fiber stacks, keyed by usable size.
+///
+/// Fibers take their stack from a pool on creation and give it back when
+/// dropped, so that a steady state of creating and dropping fibers makes no
+/// `mmap`/`munmap` calls. At most [`capacity`](StackPool::capacity) stacks
+/// are kept; extra stacks are unmapped.
+///
+/// ```
+/// use spindle_fiber::StackPool;
+///
+/// let pool = StackPool::new(8);
+/// let stack = pool.take(64 * 1024).unwrap();
+/// pool.give(stack);
+/// assert_eq!(pool.cached(), 1);
+/// let again = pool.take(64 * 1024).unwrap(); // no system call
+/// assert_eq!(pool.cached(), 0);
+/// # drop(again);
+/// ```
+pub struct StackPool {
+    capacity: usize,
+    /// (usable size, stacks of that size); a handful of sizes at most.
+    /// Guarded by the mutex; touched only in `take`/`give`.
+    cache: Mutex<Vec<(usize, Vec<FiberStack>)>>,
+}
+
+impl StackPool {
+    /// A pool that keeps at most `capacity` stacks.
+    pub const fn new(capacity: usize) -> StackPool {
+        StackPool {
+            capacity,
+            cache: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The process-wide pool used by fibers unless told otherwise.
+    /// Its capacity is [`DEFAULT_POOL_CAPACITY`], or `SPINDLE_STACK_POOL`
+    /// if that environment variable holds a number.
+    pub fn global() -> &'static StackPool {
+        static GLOBAL: OnceLock<StackPool> = OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            let cap = std::env::var("SPINDLE_STACK_POOL")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_POOL_CAPACITY);
+            StackPool::new(cap)
+        })
+    }
+
+    /// Most stacks this pool keeps.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Stacks currently cached.
+    pub fn cached(&self) -> usize {
+        self.lock().iter().map(|(_, v)| v.len()).sum()
+    }
+
+    /// A stack with `usable` bytes: a cached one if there is one, else a
+    /// fresh mapping.
+    pub fn take(&self, usable: usize) -> Result<FiberStack, StackError> {
+        let usable = checked_size(usable)?;
+        if let Some(stack) = self
+            .lock()
+            .iter_mut()
+            .find(|(s, _)| *s == usable)
+            .and_then(|(_, v)| v.pop())
+        {
+            return Ok(stack);
+        }
+        FiberStack::new(usable)
+    }
+
+    /// Returns a stack to the pool (or unmaps it if the pool is full).
+    pub fn give(&self, stack: FiberStack) {
+        let mut cache = self.lock();
+        let cached: usize = cache.iter().map(|(_, v)| v.len()).sum();
+        if cached >= self.capacity {
+            drop(cache);
+            drop(stack); // munmap outside the lock
+            return;
+        }
+        match cache.iter_mut().find(|(s, _)| *s == stack.usable) {
+            Some((_, v)) => v.push(stack),
+            None => cache.push((stack.usable, vec![stack])),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(usize, Vec<FiberStack>)>> {
+        // A panic while holding the lock cannot leave the Vec inconsistent.
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl fmt::Debug for StackPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StackPool")
+            .field("capacity", &self.capacity)
+            .field("cached", &self.cached())
+            .finish()
+    }
+}
