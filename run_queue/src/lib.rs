@@ -1,0 +1,1 @@
+//! A thread-safe priority run queue of fibers (work in progress).

@@ -1,0 +1,1 @@
+//! Fiber-aware semaphores and channels (work in progress).
