@@ -463,15 +463,6 @@ impl<T: Send + 'static> Fiber<T> {
         Ok(())
     }
 
-    /// For schedulers: `Queued` → `Ready` when taking the fiber out of a
-    /// queue to run it (or handing it back).
-    pub fn mark_dequeued(&self) -> Result<(), FiberError> {
-        self.header()
-            .state
-            .transition(FiberState::Queued, FiberState::Ready)
-            .map_err(|s| self.run_error(s))
-    }
-
     /// Finishes a wake the caller owns (state `Locked`).
     ///
     /// # Safety
@@ -528,6 +519,15 @@ impl<T> Fiber<T> {
     unsafe fn slot(&self) -> &mut Slot<T> {
         // SAFETY: exclusivity is the caller's obligation.
         unsafe { &mut *self.inner.as_ref().slot.get() }
+    }
+
+    /// For schedulers: `Queued` → `Ready` when taking the fiber out of a
+    /// queue to run it (or handing it back).
+    pub fn mark_dequeued(&self) -> Result<(), FiberError> {
+        self.header()
+            .state
+            .transition(FiberState::Queued, FiberState::Ready)
+            .map_err(|s| self.run_error(s))
     }
 
     /// The fiber's process-unique id.

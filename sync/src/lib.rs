@@ -1,1 +1,46 @@
-//! Fiber-aware semaphores and channels (work in progress).
+//! Fiber-aware synchronisation: a counting [`Semaphore`] and unbounded
+//! [`Channel`]s of caller-owned messages.
+//!
+//! Waiters are fibers or ordinary threads. A fiber that has to wait goes to
+//! sleep ([`spindle_fiber::sleep`]) linked into the primitive's wait list
+//! by a node on its own stack (no allocation); whoever wakes it hands it
+//! back to the run queue it came from (the [`spindle_fiber::Schedule`]
+//! seam). A thread that has to wait parks. Releasing and pushing work from
+//! anywhere.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use spindle_fiber::{Fiber, FiberAttr, Priority};
+//! use spindle_run_queue::RunQueue;
+//! use spindle_sync::{Channel, Msg, Semaphore};
+//!
+//! let queue = RunQueue::new(8);
+//! let chan = Arc::new(Channel::<u32>::new());
+//! let done = Arc::new(Semaphore::new(0));
+//! let (rx, d) = (chan.clone(), done.clone());
+//! let consumer = Fiber::new(FiberAttr::new()).unwrap();
+//! consumer.set_function(Priority::NORMAL, move || {
+//!     let sum: u32 = (0..3).map(|_| rx.pop().into_inner()).sum();
+//!     d.release(1);
+//!     sum
+//! }).unwrap();
+//! queue.try_push(consumer).unwrap();
+//! for i in 1..=3 {
+//!     chan.push(Msg::new(i));
+//! }
+//! while let Some(_ran) = queue.run_next() {}
+//! done.acquire(); // an ordinary thread waits too
+//! ```
+//!
+//! See DESIGN.md ("sleep/wake protocol") for the numbered steps of both
+//! sides and why no wakeup is lost.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod channel;
+mod semaphore;
+mod wait;
+
+pub use channel::{Channel, Msg, MsgHeader, RawChannel};
+pub use semaphore::Semaphore;

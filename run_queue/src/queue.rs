@@ -1,0 +1,398 @@
+//! The run queue proper.
+//!
+//! # Parking protocol (no lost wakeups)
+//!
+//! Poppers that find the queue empty may park in [`RunQueue::pop_timeout`].
+//! All queue state, including the count of parked poppers, lives in
+//! [`Synced`] behind one mutex.
+//!
+//! Popper:
+//! 1. lock; pop if non-empty, unlock, done;
+//! 2. else increment `sleepers`, wait on the condvar (which releases the
+//!    lock atomically with going to sleep), decrement `sleepers` on waking,
+//!    go to 1 until the deadline.
+//!
+//! Pusher:
+//! 1. lock; insert; read `sleepers`; unlock;
+//! 2. if `sleepers > 0`, notify one.
+//!
+//! A push either happens before the popper's step 1 (the popper sees the
+//! fiber) or after its step 2 registered it (the pusher sees `sleepers > 0`
+//! and notifies). Both read and write `sleepers` under the lock, so there is
+//! no third order.
+
+use std::cmp::Reverse;
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use priority_queue::PriorityQueue;
+use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule};
+
+/// How many times an idle popper polls before parking: waking a parked
+/// thread costs tens of microseconds, a short spin catches most handoffs.
+const SPINS: u32 = 64;
+
+/// A fiber in the queue, hashed and compared by id.
+struct Entry<T>(Fiber<T>);
+
+impl<T> PartialEq for Entry<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id() == other.0.id()
+    }
+}
+impl<T> Eq for Entry<T> {}
+impl<T> Hash for Entry<T> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.id().hash(state)
+    }
+}
+/// Fiber ids are unique and sequential: a multiplicative hash spreads them.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Queue key: priority first, then earlier sequence numbers first.
+type Key = (Priority, Reverse<u64>);
+
+/// Everything guarded by the queue's mutex.
+struct Synced<T> {
+    heap: PriorityQueue<Entry<T>, Key, BuildHasherDefault<IdHasher>>,
+    /// Next tie-breaking sequence number.
+    seq: u64,
+    /// Poppers parked on the condvar.
+    sleepers: usize,
+}
+
+struct Shared<T> {
+    capacity: usize,
+    synced: Mutex<Synced<T>>,
+    not_empty: Condvar,
+    stats: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    pushes: AtomicU64,
+    pops: AtomicU64,
+    empty_pops: AtomicU64,
+    full_pushes: AtomicU64,
+    wakes: AtomicU64,
+    parks: AtomicU64,
+}
+
+/// A snapshot of a run queue's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunQueueStats {
+    /// Fibers pushed (by `try_push`, re-queued yields and wakes).
+    pub pushes: u64,
+    /// Fibers popped.
+    pub pops: u64,
+    /// Pops that found the queue empty.
+    pub empty_pops: u64,
+    /// `try_push` calls refused because the queue was full.
+    pub full_pushes: u64,
+    /// Fibers pushed back by a wake from a synchronisation primitive.
+    pub wakes: u64,
+    /// Times a popper parked its thread.
+    pub parks: u64,
+}
+
+/// Why [`RunQueue::try_push`] refused a fiber. The fiber is handed back.
+pub enum PushError<T> {
+    /// The queue holds `capacity` fibers already.
+    Full(Fiber<T>),
+    /// The fiber is not runnable (running, already queued, asleep, finished
+    /// or without a function).
+    NotReady(Fiber<T>, FiberError),
+}
+
+impl<T> PushError<T> {
+    /// The fiber that was not pushed.
+    pub fn into_fiber(self) -> Fiber<T> {
+        match self {
+            PushError::Full(f) | PushError::NotReady(f, _) => f,
+        }
+    }
+}
+
+impl<T> fmt::Debug for PushError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PushError::Full(fiber) => f.debug_tuple("Full").field(&fiber.id()).finish(),
+            PushError::NotReady(fiber, e) => f.debug_tuple("NotReady").field(&fiber.id()).field(e).finish(),
+        }
+    }
+}
+
+impl<T> fmt::Display for PushError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PushError::Full(fiber) => write!(
+                f,
+                "run queue is full: fiber {} was handed back; pop fibers first or create the queue \
+                 with a larger capacity",
+                fiber.id()
+            ),
+            PushError::NotReady(fiber, e) => write!(f, "fiber {} cannot be queued: {e}", fiber.id()),
+        }
+    }
+}
+
+impl<T> std::error::Error for PushError<T> {}
+
+/// A fiber taken from the queue and run by [`RunQueue::run_next`].
+#[derive(Debug)]
+pub struct Ran<T> {
+    /// The fiber (already back in the queue if it yielded).
+    pub fiber: Fiber<T>,
+    /// What `run` returned.
+    pub outcome: Result<RunOutcome<T>, FiberError>,
+}
+
+/// A thread-safe priority queue of fibers, bounded at creation.
+///
+/// Cloning gives another handle to the same queue. Fibers pushed here are
+/// woken back here by `spindle-sync` primitives.
+pub struct RunQueue<T = ()> {
+    shared: Arc<Shared<T>>,
+    /// The same allocation as `shared`, as the fiber's wake seam.
+    home: Arc<dyn Schedule<T>>,
+}
+
+impl<T: Send + 'static> RunQueue<T> {
+    /// A queue that accepts up to `capacity` fibers from
+    /// [`try_push`](RunQueue::try_push). Storage for them is allocated now,
+    /// so pushes and pops do not allocate.
+    ///
+    /// # Panics
+    /// If `capacity` is 0.
+    pub fn new(capacity: usize) -> RunQueue<T> {
+        assert!(capacity > 0, "a run queue needs a capacity of at least 1");
+        let shared = Arc::new(Shared {
+            capacity,
+            synced: Mutex::new(Synced {
+                heap: PriorityQueue::with_capacity_and_hasher(capacity, Default::default()),
+                seq: 0,
+                sleepers: 0,
+            }),
+            not_empty: Condvar::new(),
+            stats: Counters::default(),
+        });
+        let home: Arc<dyn Schedule<T>> = shared.clone();
+        RunQueue { shared, home }
+    }
+
+    /// Pushes a runnable fiber; it is popped by priority, FIFO among equals.
+    ///
+    /// A full queue or a fiber that is not runnable hands the fiber back in
+    /// the error: nothing is lost.
+    pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
+        if let Err(e) = fiber.mark_queued(Some(&self.home)) {
+            return Err(PushError::NotReady(fiber, e));
+        }
+        let synced = self.shared.synced.lock();
+        if synced.heap.len() >= self.shared.capacity {
+            drop(synced);
+            self.shared.stats.full_pushes.fetch_add(1, Ordering::Relaxed);
+            fiber.mark_dequeued().expect("we queued it");
+            return Err(PushError::Full(fiber));
+        }
+        self.shared.insert(synced, fiber);
+        Ok(())
+    }
+
+    /// Pops the highest-priority fiber, or `None` if the queue is empty.
+    pub fn try_pop(&self) -> Option<Fiber<T>> {
+        let popped = self.shared.synced.lock().heap.pop();
+        self.shared.finish_pop(popped.map(|(e, _)| e.0))
+    }
+
+    /// Pops the highest-priority fiber, waiting up to `timeout` for one:
+    /// polls briefly, then parks the thread. `None` on timeout.
+    pub fn pop_timeout(&self, timeout: Duration) -> Option<Fiber<T>> {
+        for i in 0..SPINS {
+            if let Some(f) = self.try_pop_quiet() {
+                return Some(f);
+            }
+            if i < SPINS / 2 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        let mut synced = self.shared.synced.lock();
+        loop {
+            if let Some((e, _)) = synced.heap.pop() {
+                drop(synced);
+                return self.shared.finish_pop(Some(e.0));
+            }
+            synced.sleepers += 1;
+            self.shared.stats.parks.fetch_add(1, Ordering::Relaxed);
+            let timed_out = self
+                .shared
+                .not_empty
+                .wait_until(&mut synced, deadline)
+                .timed_out();
+            synced.sleepers -= 1;
+            if timed_out {
+                let popped = synced.heap.pop().map(|(e, _)| e.0);
+                drop(synced);
+                return self.shared.finish_pop(popped);
+            }
+        }
+    }
+
+    fn try_pop_quiet(&self) -> Option<Fiber<T>> {
+        let popped = self.shared.synced.lock().heap.pop()?;
+        self.shared.finish_pop(Some(popped.0 .0))
+    }
+
+    /// Pops the next fiber and runs it on this thread until it suspends. A
+    /// fiber that yielded is pushed back (behind its equals) before this
+    /// returns; one that slept belongs to whatever it sleeps on. `None` if
+    /// the queue was empty.
+    pub fn run_next(&self) -> Option<Ran<T>> {
+        let fiber = self.try_pop()?;
+        Some(self.run_popped(fiber))
+    }
+
+    /// Runs a fiber popped from this queue until it suspends, pushing it
+    /// back if it yielded (see [`run_next`](RunQueue::run_next)).
+    pub fn run_popped(&self, fiber: Fiber<T>) -> Ran<T> {
+        let outcome = fiber.run();
+        if let Ok(RunOutcome::Yielded(_)) = outcome {
+            self.requeue(&fiber);
+        }
+        Ran { fiber, outcome }
+    }
+
+    /// Pushes back a fiber that just yielded. Its place was freed when it
+    /// was popped, so this does not fail for capacity (a fiber that is not
+    /// `Ready` is left alone).
+    pub fn requeue(&self, fiber: &Fiber<T>) {
+        if fiber.mark_queued(Some(&self.home)).is_ok() {
+            let synced = self.shared.synced.lock();
+            self.shared.insert(synced, fiber.clone());
+        }
+    }
+
+    /// Changes the priority of `fiber`; if it is in this queue it moves to
+    /// its new place at once (behind fibers already at that priority).
+    pub fn set_priority(&self, fiber: &Fiber<T>, priority: Priority) {
+        fiber.set_priority(priority);
+        let mut synced = self.shared.synced.lock();
+        let seq = synced.seq;
+        synced.seq += 1;
+        let probe = Entry(fiber.clone());
+        synced.heap.change_priority(&probe, (priority, Reverse(seq)));
+        drop(synced);
+        drop(probe);
+    }
+}
+
+impl<T> RunQueue<T> {
+    /// Fibers in the queue now.
+    pub fn len(&self) -> usize {
+        self.shared.synced.lock().heap.len()
+    }
+
+    /// Whether the queue is empty now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Most fibers `try_push` accepts.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> RunQueueStats {
+        let c = &self.shared.stats;
+        RunQueueStats {
+            pushes: c.pushes.load(Ordering::Relaxed),
+            pops: c.pops.load(Ordering::Relaxed),
+            empty_pops: c.empty_pops.load(Ordering::Relaxed),
+            full_pushes: c.full_pushes.load(Ordering::Relaxed),
+            wakes: c.wakes.load(Ordering::Relaxed),
+            parks: c.parks.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl<T> Shared<T> {
+    /// Inserts a fiber already marked `Queued`, then notifies a parked
+    /// popper if there is one (pusher steps 1 and 2).
+    fn insert(&self, mut synced: parking_lot::MutexGuard<'_, Synced<T>>, fiber: Fiber<T>) {
+        let key = (fiber.priority(), Reverse(synced.seq));
+        synced.seq += 1;
+        synced.heap.push(Entry(fiber), key);
+        let sleepers = synced.sleepers;
+        drop(synced);
+        self.stats.pushes.fetch_add(1, Ordering::Relaxed);
+        if sleepers > 0 {
+            self.not_empty.notify_one();
+        }
+    }
+
+    fn finish_pop(&self, popped: Option<Fiber<T>>) -> Option<Fiber<T>> {
+        match popped {
+            Some(f) => {
+                self.stats.pops.fetch_add(1, Ordering::Relaxed);
+                f.mark_dequeued().expect("a fiber in the queue is Queued");
+                Some(f)
+            }
+            None => {
+                self.stats.empty_pops.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+impl<T: Send + 'static> Schedule<T> for Shared<T> {
+    /// A woken fiber comes back. Wakes are never refused: the capacity
+    /// bounds `try_push`, and a fiber that slept was counted there before.
+    fn schedule(&self, fiber: Fiber<T>) {
+        self.stats.wakes.fetch_add(1, Ordering::Relaxed);
+        let synced = self.synced.lock();
+        self.insert(synced, fiber);
+    }
+}
+
+impl<T> Clone for RunQueue<T> {
+    fn clone(&self) -> RunQueue<T> {
+        RunQueue {
+            shared: Arc::clone(&self.shared),
+            home: Arc::clone(&self.home),
+        }
+    }
+}
+
+impl<T> fmt::Debug for RunQueue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RunQueue")
+            .field("len", &self.len())
+            .field("capacity", &self.capacity())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}

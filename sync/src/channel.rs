@@ -1,0 +1,399 @@
+//! Unbounded FIFO channels whose messages are caller-owned ("msghdr" style).
+//!
+//! A channel is two FIFOs, at least one of them empty: messages waiting for
+//! a receiver, and receivers (fibers or threads) waiting for a message.
+//! Neither allocates inside the channel: waiting receivers are linked through
+//! a node on their own stack (see `wait.rs`), and messages through a
+//! [`MsgHeader`] that the caller owns.
+//!
+//! * [`Channel<T>`] is the safe form: a message is a [`Msg<T>`], an owning
+//!   handle to a caller-allocated header + value. The channel holds the
+//!   handle while the message is queued and gives it back on pop, so a
+//!   handle can be reused for the next message without allocating again.
+//! * [`RawChannel`] is the `unsafe` form for callers that manage memory
+//!   themselves, e.g. a header followed by its payload in one block
+//!   ([`MsgHeader::init_trailing`]).
+
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::ptr::{self, NonNull};
+
+use parking_lot::Mutex;
+
+use crate::wait::{wait, WaitList};
+
+/// The header of a channel message: a link for the channel's queue and the
+/// location of the payload (like a `struct iovec`).
+#[repr(C)]
+pub struct MsgHeader {
+    /// Next queued message; written only by the channel, under its lock.
+    next: Cell<*mut MsgHeader>,
+    /// Payload address.
+    pub buf: *mut u8,
+    /// Payload length in bytes.
+    pub len: usize,
+}
+
+// SAFETY: the link is only touched under a channel's lock; buf/len are
+// plain data whose meaning is the owner's.
+unsafe impl Send for MsgHeader {}
+
+impl MsgHeader {
+    /// A header describing the payload at `buf` of `len` bytes.
+    pub const fn new(buf: *mut u8, len: usize) -> MsgHeader {
+        MsgHeader {
+            next: Cell::new(ptr::null_mut()),
+            buf,
+            len,
+        }
+    }
+
+    /// Initialises the header at `this` for a payload of `len` bytes that
+    /// directly follows it in memory, as in
+    ///
+    /// ```
+    /// use spindle_sync::MsgHeader;
+    ///
+    /// #[repr(C)]
+    /// struct MyMessage {
+    ///     hdr: MsgHeader,
+    ///     payload: [u8; 256],
+    /// }
+    ///
+    /// let mut msg = MyMessage { hdr: MsgHeader::new(std::ptr::null_mut(), 0), payload: [0; 256] };
+    /// // SAFETY: `payload` directly follows `hdr` in the repr(C) struct.
+    /// unsafe { MsgHeader::init_trailing(&mut msg.hdr, 256) };
+    /// assert_eq!(msg.hdr.buf, msg.payload.as_mut_ptr());
+    /// ```
+    ///
+    /// # Safety
+    /// `this` is valid for writes, and `len` bytes directly after the header
+    /// belong to the same allocation.
+    pub unsafe fn init_trailing(this: *mut MsgHeader, len: usize) {
+        // SAFETY: the caller guarantees `this` is writable; the payload
+        // address is one header past it, inside the same allocation.
+        unsafe { this.write(MsgHeader::new(this.add(1) as *mut u8, len)) }
+    }
+}
+
+impl fmt::Debug for MsgHeader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MsgHeader")
+            .field("buf", &self.buf)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Lock-guarded state: at least one of the two FIFOs is empty.
+struct Synced {
+    head: *mut MsgHeader,
+    tail: *mut MsgHeader,
+    messages: usize,
+    receivers: WaitList,
+}
+
+// SAFETY: the message pointers are only dereferenced under the lock; the
+// messages are Send (RawChannel::push's contract, Msg<T>: T: Send).
+unsafe impl Send for Synced {}
+
+impl Synced {
+    fn pop_message(&mut self) -> Option<NonNull<MsgHeader>> {
+        let head = NonNull::new(self.head)?;
+        // SAFETY: queued headers are valid until popped (push's contract).
+        self.head = unsafe { head.as_ref().next.get() };
+        if self.head.is_null() {
+            self.tail = ptr::null_mut();
+        }
+        self.messages -= 1;
+        Some(head)
+    }
+}
+
+/// An unbounded FIFO of caller-owned messages, identified by their headers.
+///
+/// `push` never blocks and never allocates; `pop` waits (a fiber sleeps, a
+/// thread parks) until a message arrives. A message pushed while receivers
+/// wait is handed straight to the one that waited longest.
+pub struct RawChannel {
+    synced: Mutex<Synced>,
+}
+
+impl RawChannel {
+    /// An empty channel.
+    pub const fn new() -> RawChannel {
+        RawChannel {
+            synced: Mutex::new(Synced {
+                head: ptr::null_mut(),
+                tail: ptr::null_mut(),
+                messages: 0,
+                receivers: WaitList::new(),
+            }),
+        }
+    }
+
+    /// Queues a message, or hands it to the longest-waiting receiver.
+    ///
+    /// # Safety
+    /// Until the header is popped (or the channel is dropped), it stays
+    /// valid, is not moved, is not pushed anywhere else, and the message it
+    /// describes may be accessed from whichever thread pops it (it is Send).
+    pub unsafe fn push(&self, msg: NonNull<MsgHeader>) {
+        let mut synced = self.synced.lock();
+        if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr() as usize) {
+            drop(synced);
+            wakeup.wake();
+            return;
+        }
+        // SAFETY: the caller hands us the header until it is popped.
+        unsafe { msg.as_ref().next.set(ptr::null_mut()) };
+        match NonNull::new(synced.tail) {
+            // SAFETY: the tail is a queued, valid header.
+            Some(tail) => unsafe { tail.as_ref().next.set(msg.as_ptr()) },
+            None => synced.head = msg.as_ptr(),
+        }
+        synced.tail = msg.as_ptr();
+        synced.messages += 1;
+    }
+
+    /// Takes the oldest message, waiting for one if the channel is empty.
+    pub fn pop(&self) -> NonNull<MsgHeader> {
+        let mut synced = self.synced.lock();
+        if let Some(m) = synced.pop_message() {
+            return m;
+        }
+        let handed = wait(synced, |s| &mut s.receivers, None);
+        NonNull::new(handed as *mut MsgHeader).expect("a receiver is always handed a message")
+    }
+
+    /// Takes the oldest message if there is one.
+    pub fn try_pop(&self) -> Option<NonNull<MsgHeader>> {
+        self.synced.lock().pop_message()
+    }
+
+    /// Messages queued now.
+    pub fn len(&self) -> usize {
+        self.synced.lock().messages
+    }
+
+    /// Whether no message is queued now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Receivers waiting now.
+    pub fn receivers(&self) -> usize {
+        self.synced.lock().receivers.len()
+    }
+}
+
+impl Default for RawChannel {
+    fn default() -> RawChannel {
+        RawChannel::new()
+    }
+}
+
+impl fmt::Debug for RawChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.synced.lock();
+        f.debug_struct("RawChannel")
+            .field("messages", &s.messages)
+            .field("receivers", &s.receivers.len())
+            .finish()
+    }
+}
+
+impl Drop for RawChannel {
+    /// Queued headers stay their owners' memory: the channel forgets its
+    /// links to them and touches nothing. Receivers borrow the channel while
+    /// they wait, so none can be left.
+    fn drop(&mut self) {
+        debug_assert!(self.synced.get_mut().receivers.is_empty());
+    }
+}
+
+/// A message header and its value in one caller-owned allocation.
+#[repr(C)]
+struct MsgBlock<T> {
+    hdr: MsgHeader,
+    value: T,
+}
+
+/// An owning handle to a channel message: one allocation holding the
+/// [`MsgHeader`] and a `T`. Allocate it once, push it, get it back from
+/// `pop`, change it in place and push it again: the channel never allocates.
+///
+/// ```
+/// use spindle_sync::{Channel, Msg};
+///
+/// let chan = Channel::new();
+/// chan.push(Msg::new(41));
+/// let mut m = chan.try_pop().unwrap();
+/// *m += 1;
+/// chan.push(m); // the same allocation again
+/// assert_eq!(*chan.try_pop().unwrap(), 42);
+/// ```
+pub struct Msg<T> {
+    block: Box<MsgBlock<T>>,
+}
+
+impl<T> Msg<T> {
+    /// Allocates a message holding `value`.
+    pub fn new(value: T) -> Msg<T> {
+        Msg {
+            block: Box::new(MsgBlock {
+                hdr: MsgHeader::new(ptr::null_mut(), 0),
+                value,
+            }),
+        }
+    }
+
+    /// The value, consuming the message.
+    pub fn into_inner(self) -> T {
+        self.block.value
+    }
+
+    fn into_header(self) -> NonNull<MsgHeader> {
+        let raw = Box::into_raw(self.block);
+        // SAFETY: `hdr` is the first field of a repr(C) struct, so the
+        // header pointer is the block pointer.
+        unsafe {
+            (*raw).hdr.buf = ptr::addr_of_mut!((*raw).value) as *mut u8;
+            (*raw).hdr.len = std::mem::size_of::<T>();
+            NonNull::new_unchecked(raw as *mut MsgHeader)
+        }
+    }
+
+    /// # Safety
+    /// `hdr` came from `into_header` of a `Msg<T>` of the same `T`.
+    unsafe fn from_header(hdr: NonNull<MsgHeader>) -> Msg<T> {
+        // SAFETY: the caller's contract.
+        Msg {
+            block: unsafe { Box::from_raw(hdr.as_ptr() as *mut MsgBlock<T>) },
+        }
+    }
+}
+
+impl<T> Deref for Msg<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.block.value
+    }
+}
+
+impl<T> DerefMut for Msg<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.block.value
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Msg<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Msg").field(&self.block.value).finish()
+    }
+}
+
+/// A typed, safe channel of [`Msg<T>`] handles, for fibers and threads.
+///
+/// ```
+/// use std::sync::Arc;
+/// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+/// use spindle_run_queue::RunQueue;
+/// use spindle_sync::{Channel, Msg};
+///
+/// let chan = Arc::new(Channel::<&str>::new());
+/// let queue = RunQueue::new(4);
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// let rx = chan.clone();
+/// fiber.set_function(Priority::NORMAL, move || rx.pop().into_inner()).unwrap();
+/// queue.try_push(fiber).unwrap();
+///
+/// assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+/// chan.push(Msg::new("hello")); // hands the message over, wakes the fiber
+/// let ran = queue.run_next().unwrap();
+/// assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("hello"))));
+/// ```
+pub struct Channel<T> {
+    raw: RawChannel,
+    _holds: PhantomData<Msg<T>>,
+}
+
+// SAFETY: the channel moves Msg<T> between threads: T must be Send. It
+// never hands out references to queued values.
+unsafe impl<T: Send> Send for Channel<T> {}
+// SAFETY: as above; all access goes through the raw channel's lock.
+unsafe impl<T: Send> Sync for Channel<T> {}
+
+impl<T> Channel<T> {
+    /// An empty channel.
+    pub const fn new() -> Channel<T> {
+        Channel {
+            raw: RawChannel::new(),
+            _holds: PhantomData,
+        }
+    }
+
+    /// Queues a message, or hands it to the longest-waiting receiver. Never
+    /// blocks, never allocates.
+    pub fn push(&self, msg: Msg<T>) {
+        // SAFETY: the header is the heap block of a Msg we now own; it stays
+        // put until popped (converted back to a Msg) or dropped with the
+        // channel (see Drop); T: Send for any channel shared across threads.
+        unsafe { self.raw.push(msg.into_header()) }
+    }
+
+    /// Takes the oldest message, waiting if there is none: a fiber sleeps
+    /// (and is pushed back on its run queue when a message arrives), a
+    /// thread parks.
+    pub fn pop(&self) -> Msg<T> {
+        // SAFETY: only Msg<T> headers are pushed on this channel.
+        unsafe { Msg::from_header(self.raw.pop()) }
+    }
+
+    /// Takes the oldest message if there is one.
+    pub fn try_pop(&self) -> Option<Msg<T>> {
+        // SAFETY: as in `pop`.
+        self.raw.try_pop().map(|h| unsafe { Msg::from_header(h) })
+    }
+
+    /// Messages queued now.
+    pub fn len(&self) -> usize {
+        self.raw.len()
+    }
+
+    /// Whether no message is queued now.
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    /// Receivers waiting now.
+    pub fn receivers(&self) -> usize {
+        self.raw.receivers()
+    }
+}
+
+impl<T> Default for Channel<T> {
+    fn default() -> Channel<T> {
+        Channel::new()
+    }
+}
+
+impl<T> fmt::Debug for Channel<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel")
+            .field("messages", &self.raw.len())
+            .field("receivers", &self.raw.receivers())
+            .finish()
+    }
+}
+
+impl<T> Drop for Channel<T> {
+    /// Messages still queued are dropped with their values.
+    fn drop(&mut self) {
+        while let Some(m) = self.try_pop() {
+            drop(m);
+        }
+    }
+}

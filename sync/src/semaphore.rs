@@ -1,0 +1,147 @@
+//! A counting semaphore for fibers and threads.
+
+use std::fmt;
+
+use parking_lot::Mutex;
+use spindle_fiber::Priority;
+
+use crate::wait::{wait, WaitList};
+
+/// Lock-guarded state.
+struct Synced {
+    /// Available tokens; non-zero only when `waiters` is empty.
+    tokens: usize,
+    waiters: WaitList,
+}
+
+/// A counting semaphore whose waiters are fibers (which sleep and are
+/// pushed back on their run queue when woken) or ordinary threads (which
+/// park). Waiters are woken in FIFO order, fibers and threads alike.
+///
+/// [`release`](Semaphore::release) may be called from any thread, fiber or
+/// not; it never blocks on a waiter and never allocates.
+///
+/// ```
+/// use std::sync::Arc;
+/// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+/// use spindle_run_queue::RunQueue;
+/// use spindle_sync::Semaphore;
+///
+/// let sem = Arc::new(Semaphore::new(0));
+/// let queue = RunQueue::new(4);
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// let s = sem.clone();
+/// fiber.set_function(Priority::NORMAL, move || { s.acquire(); "got it" }).unwrap();
+/// queue.try_push(fiber).unwrap();
+///
+/// let ran = queue.run_next().unwrap();
+/// assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+/// assert!(queue.is_empty());
+///
+/// sem.release(1); // wakes the fiber back onto `queue`
+/// let ran = queue.run_next().unwrap();
+/// assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("got it"))));
+/// ```
+pub struct Semaphore {
+    synced: Mutex<Synced>,
+}
+
+impl Semaphore {
+    /// A semaphore holding `tokens` tokens.
+    pub const fn new(tokens: usize) -> Semaphore {
+        Semaphore {
+            synced: Mutex::new(Synced {
+                tokens,
+                waiters: WaitList::new(),
+            }),
+        }
+    }
+
+    /// Takes a token, waiting for one if there is none: a fiber sleeps, a
+    /// thread parks.
+    pub fn acquire(&self) {
+        self.acquire_inner(None)
+    }
+
+    /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
+    /// woken at `priority`.
+    pub fn acquire_with_priority(&self, priority: Priority) {
+        self.acquire_inner(Some(priority))
+    }
+
+    fn acquire_inner(&self, priority: Option<Priority>) {
+        let mut synced = self.synced.lock();
+        if synced.tokens > 0 {
+            synced.tokens -= 1;
+            return;
+        }
+        // The waker hands the token over directly (it never reaches
+        // `tokens`), so no one can take it in between.
+        wait(synced, |s| &mut s.waiters, priority);
+    }
+
+    /// Takes a token if one is available now.
+    #[must_use = "try_acquire may fail; check whether a token was taken"]
+    pub fn try_acquire(&self) -> bool {
+        let mut synced = self.synced.lock();
+        if synced.tokens > 0 {
+            synced.tokens -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Adds `n` tokens, handing them to waiters first, in FIFO order.
+    pub fn release(&self, n: usize) {
+        let mut left = n;
+        while left > 0 {
+            let mut synced = self.synced.lock();
+            match synced.waiters.pop_front(0) {
+                Some(wakeup) => {
+                    drop(synced);
+                    wakeup.wake();
+                    left -= 1;
+                }
+                None => {
+                    synced.tokens += left;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Tokens available now.
+    pub fn available(&self) -> usize {
+        self.synced.lock().tokens
+    }
+
+    /// Fibers and threads waiting now.
+    pub fn waiters(&self) -> usize {
+        self.synced.lock().waiters.len()
+    }
+}
+
+impl Default for Semaphore {
+    fn default() -> Semaphore {
+        Semaphore::new(0)
+    }
+}
+
+impl fmt::Debug for Semaphore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.synced.lock();
+        f.debug_struct("Semaphore")
+            .field("tokens", &s.tokens)
+            .field("waiters", &s.waiters.len())
+            .finish()
+    }
+}
+
+impl Drop for Semaphore {
+    fn drop(&mut self) {
+        // A waiter borrows the semaphore for as long as it waits, so none
+        // can be left here.
+        debug_assert!(self.synced.get_mut().waiters.is_empty());
+    }
+}

@@ -1,0 +1,207 @@
+//! Intrusive wait lists whose nodes live on the waiter's own stack.
+//!
+//! A fiber waits on one primitive at a time, and while it waits its stack is
+//! suspended and intact: the node linking it into the wait list lives in the
+//! frame of the waiting call, so waiting allocates nothing. Ordinary threads
+//! wait the same way, parking on `std::thread::park`.
+//!
+//! # Sleep/wake protocol
+//!
+//! The list is guarded by the primitive's mutex. Sleeper (fiber or thread):
+//!
+//! 1. lock; check the condition (a token, a message); if met, take it, done;
+//! 2. put a [`WaitNode`] on its own stack, holding a [`Waiter`] for the
+//!    fiber (or the thread handle), and link it at the tail of the list;
+//! 3. unlock;
+//! 4. a fiber calls [`spindle_fiber::sleep`]; its runner then moves it
+//!    `Running` → `Sleeping`, or, if a waker already came, finishes the
+//!    wake itself; a thread parks until the node's `done` flag is set;
+//! 5. once resumed, read the value the waker left in the node.
+//!
+//! Waker:
+//!
+//! 1. lock; unlink the head node; take its `Waiter`/thread handle out of it;
+//!    write the handed-over value into it; set `done` (Release): this is
+//!    the waker's last touch of the node, which may vanish right after;
+//! 2. unlock;
+//! 3. wake: for a fiber, [`Waiter::wake`] moves `Sleeping` → `Queued` on its
+//!    run queue, or `Running` → `RunningWoken` when the sleeper is between
+//!    its steps 3 and 4 (its runner then queues it); for a thread, unpark.
+//!
+//! The value and the unlinking happen under the lock, so each sleeper gets
+//! exactly one value and a node is never on a list twice; the state machine
+//! in `spindle-fiber` makes the step-4/step-3 race safe; `done` guards
+//! threads against spurious unparks.
+
+use std::cell::{Cell, UnsafeCell};
+use std::marker::PhantomPinned;
+use std::pin::pin;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::Thread;
+
+use parking_lot::MutexGuard;
+use spindle_fiber::{Priority, Waiter};
+
+/// Who sleeps on a node.
+enum Sleeper {
+    Fiber(Waiter),
+    Thread(Thread),
+}
+
+/// A waiting fiber or thread, linked into a [`WaitList`].
+pub(crate) struct WaitNode {
+    /// List links; read and written under the owning primitive's lock.
+    next: Cell<*const WaitNode>,
+    prev: Cell<*const WaitNode>,
+    /// Taken by the waker under the lock.
+    sleeper: UnsafeCell<Option<Sleeper>>,
+    /// Written by the waker under the lock, read by the sleeper after `done`.
+    value: Cell<usize>,
+    /// Set by the waker (Release) as its last touch of the node.
+    done: AtomicBool,
+    /// Priority to wake a fiber at, if the sleeper asked for one.
+    wake_priority: Option<Priority>,
+    _pinned: PhantomPinned,
+}
+
+impl WaitNode {
+    fn for_current(wake_priority: Option<Priority>) -> WaitNode {
+        let sleeper = match Waiter::current() {
+            Some(w) => Sleeper::Fiber(w),
+            None => Sleeper::Thread(std::thread::current()),
+        };
+        WaitNode {
+            next: Cell::new(ptr::null()),
+            prev: Cell::new(ptr::null()),
+            sleeper: UnsafeCell::new(Some(sleeper)),
+            value: Cell::new(0),
+            done: AtomicBool::new(false),
+            wake_priority,
+            _pinned: PhantomPinned,
+        }
+    }
+}
+
+/// A FIFO of waiting nodes. Lives inside a primitive's lock-guarded state;
+/// every method requires that lock.
+pub(crate) struct WaitList {
+    head: *const WaitNode,
+    tail: *const WaitNode,
+    len: usize,
+}
+
+// SAFETY: the list only holds pointers to nodes that stay valid while
+// linked (their owners are blocked until unlinked); it is only touched
+// under the owning primitive's mutex.
+unsafe impl Send for WaitList {}
+
+impl WaitList {
+    pub(crate) const fn new() -> WaitList {
+        WaitList {
+            head: ptr::null(),
+            tail: ptr::null(),
+            len: 0,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.head.is_null()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// # Safety
+    /// `node` stays valid and unmoved until it is unlinked.
+    unsafe fn push_back(&mut self, node: &WaitNode) {
+        node.prev.set(self.tail);
+        node.next.set(ptr::null());
+        if self.tail.is_null() {
+            self.head = node;
+        } else {
+            // SAFETY: the tail is a linked, valid node.
+            unsafe { (*self.tail).next.set(node) };
+        }
+        self.tail = node;
+        self.len += 1;
+    }
+
+    /// Waker step 1: unlinks the head, hands it `value` and returns the
+    /// wakeup to perform once the lock is released.
+    #[must_use]
+    pub(crate) fn pop_front(&mut self, value: usize) -> Option<Wakeup> {
+        if self.head.is_null() {
+            return None;
+        }
+        // SAFETY: linked nodes are valid (push_back's contract).
+        let node = unsafe { &*self.head };
+        self.head = node.next.get();
+        if self.head.is_null() {
+            self.tail = ptr::null();
+        } else {
+            // SAFETY: as above.
+            unsafe { (*self.head).prev.set(ptr::null()) };
+        }
+        self.len -= 1;
+        // SAFETY: the sleeper does not touch `sleeper` while linked; we hold
+        // the lock that linked it.
+        let sleeper = unsafe { (*node.sleeper.get()).take() }.expect("a linked node has a sleeper");
+        if let (Sleeper::Fiber(w), Some(p)) = (&sleeper, node.wake_priority) {
+            w.set_priority(p);
+        }
+        node.value.set(value);
+        // Last touch: after this store a thread sleeper may return and free
+        // the node. Release pairs with its Acquire load.
+        node.done.store(true, Ordering::Release);
+        Some(Wakeup(sleeper))
+    }
+}
+
+/// A wakeup to deliver after the primitive's lock is released (waker step 3).
+#[must_use = "a popped waiter sleeps forever unless woken"]
+pub(crate) struct Wakeup(Sleeper);
+
+impl Wakeup {
+    pub(crate) fn wake(self) {
+        match self.0 {
+            Sleeper::Fiber(w) => w.wake(),
+            Sleeper::Thread(t) => t.unpark(),
+        }
+    }
+}
+
+/// Sleeper steps 2 to 5: links a node for the current fiber or thread into
+/// the list that `list` picks out of the locked state, unlocks, sleeps until
+/// a waker hands it a value, and returns that value.
+pub(crate) fn wait<S>(
+    mut guard: MutexGuard<'_, S>,
+    list: impl FnOnce(&mut S) -> &mut WaitList,
+    wake_priority: Option<Priority>,
+) -> usize {
+    let node = pin!(WaitNode::for_current(wake_priority));
+    let is_fiber = matches!(
+        // SAFETY: the node is not linked yet; only we can see it.
+        unsafe { &*node.sleeper.get() },
+        Some(Sleeper::Fiber(_))
+    );
+    // SAFETY: the node is pinned in this frame, and this frame does not
+    // return before the node is unlinked (we wait for `done` below).
+    unsafe { list(&mut guard).push_back(&node) };
+    drop(guard);
+    if is_fiber {
+        spindle_fiber::sleep();
+        // A fiber is only resumed after `Waiter::wake`, which the waker
+        // calls after setting `done`.
+        assert!(
+            node.done.load(Ordering::Acquire),
+            "spindle-sync: a sleeping fiber was resumed without being woken"
+        );
+    } else {
+        while !node.done.load(Ordering::Acquire) {
+            std::thread::park();
+        }
+    }
+    node.value.get()
+}
