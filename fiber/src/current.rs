@@ -114,6 +114,21 @@ pub fn current() -> Option<CurrentFiber> {
     })
 }
 
+/// Sets the priority of the fiber running on this thread; it takes effect
+/// the next time the fiber is queued (after a yield or a wake). Returns
+/// `false` on an ordinary thread.
+pub fn set_current_priority(priority: Priority) -> bool {
+    let h = current_header();
+    // SAFETY: see `current`.
+    match unsafe { h.as_ref() } {
+        Some(h) => {
+            h.priority.store(priority.0, Ordering::Relaxed);
+            true
+        }
+        None => false,
+    }
+}
+
 /// Whether the caller runs on a fiber.
 pub fn in_fiber() -> bool {
     !current_header().is_null()

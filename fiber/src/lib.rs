@@ -53,7 +53,9 @@ mod report;
 mod stack;
 mod state;
 
-pub use current::{current, in_fiber, sleep, yield_now, yield_value, CurrentFiber, Waiter};
+pub use current::{
+    current, in_fiber, set_current_priority, sleep, yield_now, yield_value, CurrentFiber, Waiter,
+};
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
 pub use header::{FiberId, FiberStats, Priority};
