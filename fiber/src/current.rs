@@ -18,12 +18,13 @@
 //!   restores [`CURRENT`].
 
 use std::cell::Cell;
+use std::panic::Location;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::fiber::{Msg, Yielder};
-use crate::header::{FiberId, Header};
+use crate::header::{FiberId, Header, WaitReason};
 use crate::Priority;
 
 thread_local! {
@@ -269,11 +270,36 @@ impl std::fmt::Debug for Waiter {
 /// with their own primitives).
 ///
 /// [`RunOutcome::Slept`]: crate::RunOutcome::Slept
+#[track_caller]
 pub fn sleep() {
+    static UNSPECIFIED: WaitReason = WaitReason("a waiter");
+    sleep_on(&UNSPECIFIED)
+}
+
+/// Like [`sleep`], recording what the fiber waits on and the caller's
+/// location, which [`Fiber::wait_site`](crate::Fiber::wait_site) reports.
+#[track_caller]
+pub fn sleep_on(reason: &'static WaitReason) {
     let h = current_header();
     assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");
     // SAFETY: as in `yield_value`.
-    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    let h = unsafe { &*h };
+    h.wait_reason
+        .store(reason as *const WaitReason as *mut WaitReason, Ordering::Release);
+    h.wait_location.store(
+        Location::caller() as *const Location<'static> as *mut _,
+        Ordering::Release,
+    );
+    let yielder = h.yielder.load(Ordering::Relaxed) as *const Yielder;
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(Msg::Sleep) };
+}
+
+/// The scheduler word of the fiber running on this thread (see
+/// [`Fiber::set_sched_data`](crate::Fiber::set_sched_data)), or `None` on an
+/// ordinary thread.
+pub fn current_sched_data() -> Option<usize> {
+    let h = current_header();
+    // SAFETY: see `current`.
+    unsafe { h.as_ref() }.map(|h| h.sched_data.load(Ordering::Acquire))
 }

@@ -6,9 +6,10 @@ use std::cell::UnsafeCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
+use std::panic::Location;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
@@ -282,6 +283,9 @@ impl<T: Send + 'static> Fiber<T> {
             last_thread: AtomicU64::new(0),
             counters: Counters::default(),
             vtable: &Self::VTABLE,
+            sched_data: AtomicUsize::new(0),
+            wait_reason: AtomicPtr::new(std::ptr::null_mut()),
+            wait_location: AtomicPtr::new(std::ptr::null_mut()),
         };
         let inner = Arc::new(Inner {
             header,
@@ -463,6 +467,24 @@ impl<T: Send + 'static> Fiber<T> {
         Ok(())
     }
 
+    /// For schedulers: sets the scheduler a wake sends this `Ready` fiber
+    /// back to, without queueing it (e.g. after taking it from another
+    /// worker's queue).
+    pub fn set_home(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
+        let h = self.header();
+        h.state
+            .transition(FiberState::Ready, FiberState::Locked)
+            .map_err(|s| self.run_error(s))?;
+        // SAFETY: we hold the state `Locked`.
+        let slot = unsafe { self.slot() };
+        match (home, &slot.home) {
+            (Some(new), Some(cur)) if Arc::ptr_eq(new, cur) => {}
+            _ => slot.home = home.cloned(),
+        }
+        h.state.store(FiberState::Ready);
+        Ok(())
+    }
+
     /// Finishes a wake the caller owns (state `Locked`).
     ///
     /// # Safety
@@ -564,6 +586,24 @@ impl<T> Fiber<T> {
     /// A snapshot of its counters.
     pub fn stats(&self) -> FiberStats {
         self.header().stats()
+    }
+
+    /// A word for the scheduler's own use (0 until set), e.g. a pointer
+    /// to its per-task record. Spindle never interprets it.
+    pub fn sched_data(&self) -> usize {
+        self.header().sched_data.load(Ordering::Acquire)
+    }
+
+    /// Sets the scheduler word (see [`sched_data`](Fiber::sched_data)).
+    pub fn set_sched_data(&self, data: usize) {
+        self.header().sched_data.store(data, Ordering::Release);
+    }
+
+    /// What the fiber last went to sleep on and where (see
+    /// [`sleep_on`](crate::sleep_on)); meaningful while it is
+    /// [`Sleeping`](FiberState::Sleeping).
+    pub fn wait_site(&self) -> Option<(&'static str, &'static Location<'static>)> {
+        self.header().wait_site()
     }
 
     /// Whether two handles refer to the same fiber.

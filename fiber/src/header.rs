@@ -4,8 +4,9 @@
 
 use std::fmt;
 use std::num::NonZeroU64;
+use std::panic::Location;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::state::StateCell;
@@ -120,11 +121,30 @@ pub(crate) struct Header {
     pub(crate) last_thread: AtomicU64,
     pub(crate) counters: Counters,
     pub(crate) vtable: &'static VTable,
+    /// A word for the scheduler's use (`Fiber::set_sched_data`).
+    pub(crate) sched_data: AtomicUsize,
+    /// What the fiber last slept on and where: written by the fiber before
+    /// it sleeps, read by anyone for reports.
+    pub(crate) wait_reason: AtomicPtr<WaitReason>,
+    pub(crate) wait_location: AtomicPtr<Location<'static>>,
 }
+
+/// What a sleeping fiber waits on, for reports (a deadlock report, `Debug`).
+/// Synchronisation primitives declare one as a `static` and pass it to
+/// [`sleep_on`](crate::sleep_on).
+#[derive(Debug)]
+pub struct WaitReason(pub &'static str);
 
 impl Header {
     pub(crate) fn priority(&self) -> crate::Priority {
         crate::Priority(self.priority.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn wait_site(&self) -> Option<(&'static str, &'static Location<'static>)> {
+        let r = self.wait_reason.load(Ordering::Acquire);
+        let l = self.wait_location.load(Ordering::Acquire);
+        // SAFETY: both pointers are null or come from `&'static` references.
+        unsafe { Some((r.as_ref()?.0, l.as_ref()?)) }
     }
 
     pub(crate) fn stats(&self) -> FiberStats {

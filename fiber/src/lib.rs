@@ -54,11 +54,12 @@ mod stack;
 mod state;
 
 pub use current::{
-    current, in_fiber, set_current_priority, sleep, yield_now, yield_value, CurrentFiber, Waiter,
+    current, current_sched_data, in_fiber, set_current_priority, sleep, sleep_on, yield_now, yield_value,
+    CurrentFiber, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
-pub use header::{FiberId, FiberStats, Priority};
+pub use header::{FiberId, FiberStats, Priority, WaitReason};
 pub use report::leaked_stacks;
 pub use stack::{FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE};
 pub use state::FiberState;

@@ -22,7 +22,11 @@ use std::ptr::{self, NonNull};
 
 use parking_lot::Mutex;
 
+use spindle_fiber::WaitReason;
+
 use crate::wait::{wait, WaitList};
+
+static WAIT_REASON: WaitReason = WaitReason("a channel");
 
 /// The header of a channel message: a link for the channel's queue and the
 /// location of the payload (like a `struct iovec`).
@@ -159,12 +163,13 @@ impl RawChannel {
     }
 
     /// Takes the oldest message, waiting for one if the channel is empty.
+    #[track_caller]
     pub fn pop(&self) -> NonNull<MsgHeader> {
         let mut synced = self.synced.lock();
         if let Some(m) = synced.pop_message() {
             return m;
         }
-        let handed = wait(synced, |s| &mut s.receivers, None);
+        let handed = wait(synced, |s| &mut s.receivers, None, &WAIT_REASON);
         NonNull::new(handed as *mut MsgHeader).expect("a receiver is always handed a message")
     }
 
@@ -347,6 +352,7 @@ impl<T> Channel<T> {
     /// Takes the oldest message, waiting if there is none: a fiber sleeps
     /// (and is pushed back on its run queue when a message arrives), a
     /// thread parks.
+    #[track_caller]
     pub fn pop(&self) -> Msg<T> {
         // SAFETY: only Msg<T> headers are pushed on this channel.
         unsafe { Msg::from_header(self.raw.pop()) }

@@ -3,9 +3,11 @@
 use std::fmt;
 
 use parking_lot::Mutex;
-use spindle_fiber::Priority;
+use spindle_fiber::{Priority, WaitReason};
 
 use crate::wait::{wait, WaitList};
+
+static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
 /// Lock-guarded state.
 struct Synced {
@@ -59,16 +61,19 @@ impl Semaphore {
 
     /// Takes a token, waiting for one if there is none: a fiber sleeps, a
     /// thread parks.
+    #[track_caller]
     pub fn acquire(&self) {
         self.acquire_inner(None)
     }
 
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
     /// woken at `priority`.
+    #[track_caller]
     pub fn acquire_with_priority(&self, priority: Priority) {
         self.acquire_inner(Some(priority))
     }
 
+    #[track_caller]
     fn acquire_inner(&self, priority: Option<Priority>) {
         let mut synced = self.synced.lock();
         if synced.tokens > 0 {
@@ -77,7 +82,7 @@ impl Semaphore {
         }
         // The waker hands the token over directly (it never reaches
         // `tokens`), so no one can take it in between.
-        wait(synced, |s| &mut s.waiters, priority);
+        wait(synced, |s| &mut s.waiters, priority, &WAIT_REASON);
     }
 
     /// Takes a token if one is available now.

@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::Thread;
 
 use parking_lot::MutexGuard;
-use spindle_fiber::{Priority, Waiter};
+use spindle_fiber::{Priority, WaitReason, Waiter};
 
 /// Who sleeps on a node.
 enum Sleeper {
@@ -175,10 +175,12 @@ impl Wakeup {
 /// Sleeper steps 2 to 5: links a node for the current fiber or thread into
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
 /// a waker hands it a value, and returns that value.
+#[track_caller]
 pub(crate) fn wait<S>(
     mut guard: MutexGuard<'_, S>,
     list: impl FnOnce(&mut S) -> &mut WaitList,
     wake_priority: Option<Priority>,
+    reason: &'static WaitReason,
 ) -> usize {
     let node = pin!(WaitNode::for_current(wake_priority));
     let is_fiber = matches!(
@@ -191,7 +193,7 @@ pub(crate) fn wait<S>(
     unsafe { list(&mut guard).push_back(&node) };
     drop(guard);
     if is_fiber {
-        spindle_fiber::sleep();
+        spindle_fiber::sleep_on(reason);
         // A fiber is only resumed after `Waiter::wake`, which the waker
         // calls after setting `done`.
         assert!(
