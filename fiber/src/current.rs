@@ -147,6 +147,10 @@ pub fn yield_value(value: usize) {
     }
     // SAFETY: see `current`.
     let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    assert!(
+        !yielder.is_null(),
+        "spindle_fiber: yield from a fiber whose function is not running"
+    );
     // SAFETY: the yielder was stored by this fiber's own function when it
     // started and lives at the root of this fiber's stack, which is the
     // stack we are running on.
@@ -291,6 +295,10 @@ pub fn sleep_on(reason: &'static WaitReason) {
         Ordering::Release,
     );
     let yielder = h.yielder.load(Ordering::Relaxed) as *const Yielder;
+    assert!(
+        !yielder.is_null(),
+        "spindle_fiber: sleep from a fiber whose function is not running"
+    );
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(Msg::Sleep) };
 }

@@ -99,6 +99,8 @@ pub enum FiberError {
     Queued(FiberId),
     /// `run` on a fiber that sleeps on a synchronisation primitive.
     Sleeping(FiberId),
+    /// `mark_dequeued` on a fiber that is not in a queue.
+    NotQueued(FiberId),
     /// `run` of a pinned fiber on a thread other than the one it started on.
     WrongThread(FiberId),
     /// The fiber's stack could not be created.
@@ -134,6 +136,10 @@ impl fmt::Display for FiberError {
                 f,
                 "fiber {id} is asleep on a synchronisation primitive: it becomes runnable (and is \
                  pushed to its run queue) when woken"
+            ),
+            FiberError::NotQueued(id) => write!(
+                f,
+                "fiber {id} is not in a queue: only a scheduler that queued it may take it out"
             ),
             FiberError::WrongThread(id) => write!(
                 f,

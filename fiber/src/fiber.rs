@@ -369,6 +369,8 @@ impl<T: Send + 'static> Fiber<T> {
             f()
         });
         slot.coro = Some(coro);
+        // The new function stores its yielder when it starts.
+        h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         slot.migratable = migratable;
         slot.pinned_to = 0;
         h.priority.store(priority.0, Ordering::Relaxed);
@@ -444,6 +446,9 @@ impl<T: Send + 'static> Fiber<T> {
         let coro = slot.coro.take().expect("finished fiber had a coroutine");
         slot.stack = Some(coro.into_stack());
         slot.pinned_to = 0;
+        self.header()
+            .yielder
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
         self.header().state.store(FiberState::Finished);
     }
 
@@ -508,7 +513,7 @@ impl<T: Send + 'static> Fiber<T> {
 
     unsafe fn erased_release(h: NonNull<Header>) {
         // SAFETY: the caller owns one strong reference.
-        unsafe { drop(Arc::from_raw(h.as_ptr() as *const Inner<T>)) }
+        release(unsafe { Arc::from_raw(h.as_ptr() as *const Inner<T>) })
     }
 
     unsafe fn erased_finish_wake(h: NonNull<Header>) {
@@ -549,7 +554,10 @@ impl<T> Fiber<T> {
         self.header()
             .state
             .transition(FiberState::Queued, FiberState::Ready)
-            .map_err(|s| self.run_error(s))
+            .map_err(|s| match s {
+                FiberState::Ready => FiberError::NotQueued(self.header().id),
+                other => self.run_error(other),
+            })
     }
 
     /// The fiber's process-unique id.
@@ -648,31 +656,62 @@ impl<T> Clone for Fiber<T> {
 impl<T> Drop for Fiber<T> {
     fn drop(&mut self) {
         // SAFETY: we own one strong reference.
-        unsafe { drop(Arc::from_raw(self.inner.as_ptr() as *const Inner<T>)) }
+        release(unsafe { Arc::from_raw(self.inner.as_ptr() as *const Inner<T>) })
     }
+}
+
+/// Drops one strong reference. If it is the last one and the fiber is
+/// suspended mid-function, the stack is unwound first, while the reference
+/// is still held: destructors on that stack may call `current()` or
+/// `Waiter::current()` (which takes a new reference) safely.
+fn release<T>(mut arc: Arc<Inner<T>>) {
+    if let Some(inner) = Arc::get_mut(&mut arc) {
+        let slot = inner.slot.get_mut();
+        let pool = slot.pool;
+        let unwind_here = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
+            && (slot.migratable || slot.pinned_to == thread_id());
+        if unwind_here {
+            let mut coro = slot.coro.take().expect("checked above");
+            // Unwind with CURRENT naming this fiber, so that code in
+            // destructors sees where it runs.
+            let prev = swap_current(&arc.header);
+            let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
+            swap_current(prev);
+            if unwound.is_ok() && coro.done() {
+                let stack = coro.into_stack();
+                match Arc::get_mut(&mut arc) {
+                    Some(inner) => inner.slot.get_mut().stack = Some(stack),
+                    // A destructor kept a reference: the fiber lives on
+                    // without a function; its stack goes back to the pool.
+                    None => pool.give(stack),
+                }
+            } else {
+                let _ = ManuallyDrop::new(coro);
+                crate::report::note_leaked_stack();
+            }
+        }
+    }
+    drop(arc);
 }
 
 impl<T> Drop for Inner<T> {
     fn drop(&mut self) {
         let slot = self.slot.get_mut();
         if let Some(mut coro) = slot.coro.take() {
-            let may_unwind = !coro.started() || slot.migratable || slot.pinned_to == thread_id();
-            if may_unwind {
-                // Unwind the suspended stack so its locals' destructors run,
-                // with CURRENT naming this fiber meanwhile.
-                let prev = swap_current(&self.header);
-                let r = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-                swap_current(prev);
-                if r.is_ok() || coro.done() {
+            if !coro.started() {
+                // Never ran: drop the closure (it is Send, so any thread
+                // will do). No CURRENT: the closure's destructor does not run
+                // inside the fiber.
+                if catch_unwind(AssertUnwindSafe(|| coro.force_unwind())).is_ok() {
                     slot.stack = Some(coro.into_stack());
                 } else {
                     let _ = ManuallyDrop::new(coro);
-                    crate::report::note_leaked_stack();
                 }
             } else {
-                // A pinned fiber's stack may hold values that must not be
-                // touched from this thread: leak the stack rather than run
-                // its destructors here.
+                // Suspended, and `release` could not unwind it here: a
+                // pinned fiber's stack may hold values that must not be
+                // touched from this thread. Leak the stack rather than run
+                // its destructors on the wrong thread.
                 let _ = ManuallyDrop::new(coro);
                 crate::report::note_leaked_stack();
             }

@@ -62,7 +62,8 @@ impl FiberState {
 /// What a waker found when it tried to wake a sleeper.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
-pub(crate) enum WakeTransition {
+#[doc(hidden)]
+pub enum WakeTransition {
     /// The fiber was `Sleeping`; the waker now holds it `Locked` and must
     /// store `Queued` (and schedule it) or `Ready`.
     Owned,
@@ -74,7 +75,8 @@ pub(crate) enum WakeTransition {
 /// What the runner found after a fiber switched out to sleep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
-pub(crate) enum SleepTransition {
+#[doc(hidden)]
+pub enum SleepTransition {
     /// The fiber is now `Sleeping`; a waker will move it.
     Asleep,
     /// A waker came first: the runner holds it `Locked` and must store
@@ -82,26 +84,28 @@ pub(crate) enum SleepTransition {
     AlreadyWoken,
 }
 
-/// The atomic state word.
+/// The atomic state word. Public only for the loom model tests (through
+/// the hidden `__loom` module); not part of the crate's API.
 #[derive(Debug)]
-pub(crate) struct StateCell(AtomicU8);
+#[doc(hidden)]
+pub struct StateCell(AtomicU8);
 
 impl StateCell {
-    pub(crate) fn new(s: FiberState) -> StateCell {
+    pub fn new(s: FiberState) -> StateCell {
         StateCell(AtomicU8::new(s as u8))
     }
 
-    pub(crate) fn load(&self) -> FiberState {
+    pub fn load(&self) -> FiberState {
         FiberState::from_u8(self.0.load(Ordering::Acquire))
     }
 
     /// Publishes `to`, ending an exclusive section.
-    pub(crate) fn store(&self, to: FiberState) {
+    pub fn store(&self, to: FiberState) {
         self.0.store(to as u8, Ordering::Release);
     }
 
     /// `from` → `to`, or the state actually found.
-    pub(crate) fn transition(&self, from: FiberState, to: FiberState) -> Result<(), FiberState> {
+    pub fn transition(&self, from: FiberState, to: FiberState) -> Result<(), FiberState> {
         self.0
             .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
@@ -110,7 +114,7 @@ impl StateCell {
 
     /// Waker step 3 (see DESIGN.md, "sleep/wake protocol"): `Sleeping` →
     /// `Locked`, or `Running` → `RunningWoken`.
-    pub(crate) fn transition_to_woken(&self) -> WakeTransition {
+    pub fn transition_to_woken(&self) -> WakeTransition {
         let mut cur = self.0.load(Ordering::Acquire);
         loop {
             let next = match FiberState::from_u8(cur) {
@@ -134,7 +138,7 @@ impl StateCell {
 
     /// Sleeper step 4 (runner side, after the stack switched out):
     /// `Running` → `Sleeping`, or `RunningWoken` → `Locked`.
-    pub(crate) fn transition_to_sleeping(&self) -> SleepTransition {
+    pub fn transition_to_sleeping(&self) -> SleepTransition {
         match self.transition(FiberState::Running, FiberState::Sleeping) {
             Ok(()) => SleepTransition::Asleep,
             Err(FiberState::RunningWoken) => {
@@ -148,7 +152,7 @@ impl StateCell {
 
     /// Runner, after a yield: `Running`/`RunningWoken` → `Ready`. A wake that
     /// arrived for a fiber which then yielded instead of sleeping is void.
-    pub(crate) fn transition_to_yielded(&self) {
+    pub fn transition_to_yielded(&self) {
         self.store(FiberState::Ready);
     }
 }

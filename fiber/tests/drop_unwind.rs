@@ -1,0 +1,314 @@
+//! Dropping a fiber: a suspended fiber is unwound so its locals' destructors
+//! run; an unstarted fiber's closure is dropped; its stack goes back to the
+//! pool.
+
+mod common;
+
+use common::{describe, is_child, no_core_dumps, run_child, with_watchdog, DropCounter};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use spindle_fiber::{
+    current, leaked_stacks, yield_now, yield_value, Fiber, FiberAttr, FiberId, Priority, RunOutcome,
+    StackPool, Waiter,
+};
+
+fn counter() -> Arc<AtomicUsize> {
+    Arc::new(AtomicUsize::new(0))
+}
+
+#[test]
+fn dropping_a_suspended_fiber_runs_its_locals_destructors() {
+    with_watchdog(30, "drop_suspended", || {
+        let leaked_before = leaked_stacks();
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("suspended")).unwrap();
+        let d = drops.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _a = DropCounter(d.clone());
+                let _b = DropCounter(d);
+                yield_now();
+                unreachable!("dropped while suspended");
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 2, "both locals dropped");
+        assert!(current().is_none(), "the thread is not left inside the fiber");
+        assert_eq!(
+            leaked_stacks(),
+            leaked_before,
+            "the stack was unwound, not leaked"
+        );
+    });
+}
+
+#[test]
+fn unwinding_drops_every_frame_innermost_first_with_current_naming_the_fiber() {
+    with_watchdog(30, "drop_order", || {
+        type Log = Arc<Mutex<Vec<(usize, Option<FiberId>)>>>;
+        struct Logged(usize, Log);
+        impl Drop for Logged {
+            fn drop(&mut self) {
+                self.1.lock().unwrap().push((self.0, current().map(|c| c.id())));
+            }
+        }
+        #[inline(never)]
+        fn nest(depth: usize, log: &Log) {
+            let _here = Logged(depth, log.clone());
+            if depth == 5 {
+                yield_value(depth);
+            } else {
+                nest(depth + 1, log);
+            }
+        }
+        let log: Log = Arc::default();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let id = fiber.id();
+        let l = log.clone();
+        fiber.set_function(Priority::NORMAL, move || nest(1, &l)).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(5)));
+        drop(fiber);
+        let log = log.lock().unwrap().clone();
+        let depths: Vec<usize> = log.iter().map(|&(d, _)| d).collect();
+        assert_eq!(depths, vec![5, 4, 3, 2, 1], "innermost frame first");
+        assert!(
+            log.iter().all(|&(_, c)| c == Some(id)),
+            "current() named the fiber during its unwind: {log:?}"
+        );
+        assert!(current().is_none());
+    });
+}
+
+#[test]
+fn the_last_handle_unwinds_the_fiber() {
+    with_watchdog(30, "last_handle", || {
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let d = drops.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _g = DropCounter(d);
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let other = fiber.clone();
+        assert!(Fiber::ptr_eq(&fiber, &other));
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "another handle keeps it alive");
+        // The remaining handle can still finish it normally.
+        assert!(matches!(other.run().unwrap(), RunOutcome::Returned(())));
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        drop(other);
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "no second drop");
+    });
+}
+
+#[test]
+fn an_unstarted_fibers_closure_is_dropped_with_the_fiber() {
+    with_watchdog(30, "drop_unstarted", || {
+        let drops = counter();
+        let fiber = Fiber::<usize>::new(FiberAttr::new()).unwrap();
+        let captured = DropCounter(drops.clone());
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _keep = &captured;
+                1
+            })
+            .unwrap();
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the captured value was dropped");
+    });
+}
+
+#[test]
+fn replacing_an_unstarted_function_drops_its_closure() {
+    with_watchdog(30, "replace_unstarted", || {
+        let drops = counter();
+        let fiber = Fiber::<usize>::new(FiberAttr::new()).unwrap();
+        let captured = DropCounter(drops.clone());
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _keep = &captured;
+                1
+            })
+            .unwrap();
+        fiber.set_function(Priority::NORMAL, || 2).unwrap();
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            1,
+            "the replaced closure was dropped"
+        );
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(2)));
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    });
+}
+
+#[test]
+fn a_function_that_ran_to_completion_drops_its_captures_exactly_once() {
+    with_watchdog(30, "drop_once_after_return", || {
+        let drops = counter();
+        let fiber = Fiber::<usize>::new(FiberAttr::new()).unwrap();
+        let captured = DropCounter(drops.clone());
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _moved = captured;
+                yield_now();
+                3
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(3)));
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        fiber.set_function(Priority::NORMAL, || 4).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(4)));
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    });
+}
+
+#[test]
+fn a_dropped_fiber_gives_its_stack_back_to_its_pool() {
+    static POOL: StackPool = StackPool::new(4);
+    with_watchdog(30, "stack_back_to_pool", || {
+        let attr = FiberAttr::new().stack_size(64 * 1024).pool(&POOL);
+        assert_eq!(POOL.cached(), 0);
+
+        // Suspended, then dropped: unwound, stack returned.
+        let fiber = Fiber::<()>::new(attr.clone()).unwrap();
+        fiber.set_function(Priority::NORMAL, yield_now).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        drop(fiber);
+        assert_eq!(POOL.cached(), 1);
+
+        // Taken again by the next fiber.
+        let fiber = Fiber::<()>::new(attr.clone()).unwrap();
+        assert_eq!(POOL.cached(), 0);
+        // Unstarted, then dropped.
+        fiber.set_function(Priority::NORMAL, || ()).unwrap();
+        drop(fiber);
+        assert_eq!(POOL.cached(), 1);
+
+        // Never given a function.
+        let a = Fiber::<()>::new(attr.clone()).unwrap();
+        let b = Fiber::<()>::new(attr.clone()).unwrap();
+        drop((a, b));
+        assert_eq!(POOL.cached(), 2);
+
+        // The pool keeps at most its capacity.
+        let many: Vec<_> = (0..6).map(|_| Fiber::<()>::new(attr.clone()).unwrap()).collect();
+        drop(many);
+        assert_eq!(POOL.cached(), POOL.capacity());
+    });
+}
+
+const WAITER_DURING_DROP_CHILD: &str = "a_destructor_that_takes_a_waiter_while_its_fiber_is_dropped";
+
+/// A destructor on a suspended fiber's stack may take a `Waiter` for its
+/// fiber (a synchronisation primitive used in `Drop` does). While the last
+/// handle drops the fiber, that must neither resurrect nor drop the fiber a
+/// second time. Run in a child process: the failure mode corrupts the heap.
+#[test]
+fn a_destructor_that_takes_a_waiter_while_its_fiber_is_dropped() {
+    if is_child(WAITER_DURING_DROP_CHILD) {
+        no_core_dumps();
+        struct TakesWaiter(Arc<AtomicUsize>);
+        impl Drop for TakesWaiter {
+            fn drop(&mut self) {
+                let waiter = Waiter::current();
+                assert!(waiter.is_some(), "the destructor runs on the fiber being dropped");
+                drop(waiter);
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        // Extra references to the fiber's name show how often the fiber's
+        // header is dropped: exactly once is right.
+        let name: Arc<str> = Arc::from("dropped-once");
+        let keep = (name.clone(), name.clone());
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name(name)).unwrap();
+        let d = drops.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _t = TakesWaiter(d);
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            Arc::strong_count(&keep.0),
+            2,
+            "the fiber's header was dropped more than once"
+        );
+        println!("child survived");
+        return;
+    }
+    let out = run_child(WAITER_DURING_DROP_CHILD, 60);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child survived"),
+        "Waiter::current() in a destructor that runs while the last handle drops a suspended \
+         fiber took a reference on a fiber whose count had reached zero, and dropping that \
+         Waiter dropped the fiber a second time (use after free):\n{}",
+        describe(&out)
+    );
+}
+
+const YIELD_IN_UNSTARTED_DROP_CHILD: &str = "a_yield_in_the_drop_of_an_unstarted_function_is_harmless";
+
+/// Dropping a fiber whose function never started drops the closure on the
+/// dropping thread's own stack, not on the fiber's. A `yield_now` there
+/// (say, in a captured value's destructor) must behave as on an ordinary
+/// thread, for a fresh fiber and for a reused one. Run in a child process:
+/// the failure mode is a crash.
+#[test]
+fn a_yield_in_the_drop_of_an_unstarted_function_is_harmless() {
+    if is_child(YIELD_IN_UNSTARTED_DROP_CHILD) {
+        no_core_dumps();
+        struct YieldsInDrop(Arc<AtomicBool>);
+        impl Drop for YieldsInDrop {
+            fn drop(&mut self) {
+                yield_now();
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        for reused in [false, true] {
+            let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            if reused {
+                // A function that ran to completion before the unstarted one.
+                fiber.set_function(Priority::NORMAL, yield_now).unwrap();
+                assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+                assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(())));
+            }
+            let done = Arc::new(AtomicBool::new(false));
+            let captured = YieldsInDrop(done.clone());
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _keep = &captured;
+                })
+                .unwrap();
+            drop(fiber);
+            assert!(
+                done.load(Ordering::SeqCst),
+                "the yield returned (reused: {reused})"
+            );
+            println!("child survived (reused: {reused})");
+        }
+        return;
+    }
+    let out = run_child(YIELD_IN_UNSTARTED_DROP_CHILD, 60);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("child survived (reused: true)"),
+        "yield_now() in the destructor of an unstarted function's capture crashed: the fiber's \
+         drop names the fiber as current while no function of it runs, so the yield goes \
+         through a null (fresh fiber) or stale (reused fiber) yielder pointer:\n{}",
+        describe(&out)
+    );
+}

@@ -1,0 +1,223 @@
+//! Errors: every refusal is an enum variant whose message says what
+//! happened and what to do; stack sizes that cannot be mapped are refused.
+
+mod common;
+
+use common::{describe, is_child, run_child, with_watchdog};
+use std::error::Error;
+use std::sync::mpsc;
+
+use spindle_fiber::{
+    Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome, StackError, StackPool, MAX_STACK_SIZE,
+};
+
+#[test]
+fn a_zero_stack_size_is_too_small() {
+    let err = Fiber::<()>::new(FiberAttr::new().stack_size(0)).unwrap_err();
+    let minimum = match &err {
+        FiberError::Stack(StackError::TooSmall {
+            requested: 0,
+            minimum,
+        }) => *minimum,
+        other => panic!("expected Stack(TooSmall), got {other:?}"),
+    };
+    assert!(minimum > 0);
+    let msg = err.to_string();
+    assert!(msg.contains("0 bytes is too small"), "{msg}");
+    assert!(
+        msg.contains(&format!("at least {minimum} bytes")),
+        "message says what to do: {msg}"
+    );
+    // The stack error is the source, for error reporters that walk the chain.
+    let source = err.source().expect("FiberError::Stack has a source");
+    assert!(source.downcast_ref::<StackError>().is_some());
+
+    // Just below the minimum is refused too; the minimum itself is accepted.
+    let below = Fiber::<()>::new(FiberAttr::new().stack_size(minimum - 1)).unwrap_err();
+    assert!(
+        matches!(below, FiberError::Stack(StackError::TooSmall { .. })),
+        "{below:?}"
+    );
+    let at = Fiber::<()>::new(FiberAttr::new().stack_size(minimum)).unwrap();
+    assert!(at.stack_size() >= minimum);
+}
+
+#[test]
+fn a_stack_size_beyond_the_maximum_is_too_large() {
+    for requested in [MAX_STACK_SIZE + 1, usize::MAX / 2, usize::MAX] {
+        let err = Fiber::<()>::new(FiberAttr::new().stack_size(requested)).unwrap_err();
+        match &err {
+            FiberError::Stack(StackError::TooLarge {
+                requested: r,
+                maximum,
+            }) => {
+                assert_eq!(*r, requested);
+                assert_eq!(*maximum, MAX_STACK_SIZE);
+            }
+            other => panic!("expected Stack(TooLarge) for {requested}, got {other:?}"),
+        }
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{requested} bytes is too large")), "{msg}");
+        assert!(msg.contains(&format!("at most {MAX_STACK_SIZE} bytes")), "{msg}");
+        assert!(msg.contains("check the unit"), "message says what to do: {msg}");
+    }
+}
+
+#[test]
+fn the_stack_pool_refuses_the_same_sizes() {
+    let pool = StackPool::new(2);
+    assert!(matches!(pool.take(0), Err(StackError::TooSmall { .. })));
+    assert!(matches!(
+        pool.take(MAX_STACK_SIZE + 1),
+        Err(StackError::TooLarge { .. })
+    ));
+    assert_eq!(pool.cached(), 0);
+}
+
+#[test]
+fn errors_are_std_errors_that_cross_threads() {
+    fn make() -> Result<Fiber<()>, Box<dyn Error + Send + Sync + 'static>> {
+        Ok(Fiber::new(FiberAttr::new().stack_size(0))?)
+    }
+    let err = make().unwrap_err();
+    assert!(err.to_string().contains("too small"), "{err}");
+    let fiber_err = err.downcast::<FiberError>().expect("a FiberError inside the box");
+    assert!(matches!(*fiber_err, FiberError::Stack(_)));
+}
+
+#[test]
+fn running_a_fiber_that_runs_on_another_thread_is_refused() {
+    with_watchdog(30, "run_while_running_elsewhere", || {
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let fiber = Fiber::new(FiberAttr::new().name("busy")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                started_tx.send(()).unwrap();
+                // Block the runner's thread inside the fiber.
+                release_rx.recv().unwrap();
+                "released"
+            })
+            .unwrap();
+        let runner = {
+            let fiber = fiber.clone();
+            std::thread::spawn(move || fiber.run().unwrap().unwrap_returned())
+        };
+        started_rx.recv().unwrap();
+        assert_eq!(fiber.state(), FiberState::Running);
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::Running(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("already running"), "{msg}");
+        assert!(msg.contains("wait until it suspends"), "{msg}");
+        assert!(matches!(
+            fiber.set_function(Priority::NORMAL, || "replaced"),
+            Err(FiberError::Running(_))
+        ));
+        release_tx.send(()).unwrap();
+        assert_eq!(runner.join().unwrap(), "released");
+        assert_eq!(fiber.state(), FiberState::Finished);
+    });
+}
+
+#[test]
+fn a_queued_fiber_refuses_run_and_set_function_until_dequeued() {
+    with_watchdog(30, "queued_errors", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        // Only a runnable fiber can be queued.
+        assert!(matches!(fiber.mark_queued(None), Err(FiberError::NoFunction(_))));
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        fiber.mark_queued(None).unwrap();
+        assert_eq!(fiber.state(), FiberState::Queued);
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::Queued(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("is in a run queue"), "{msg}");
+        assert!(
+            msg.contains("pop it from the queue"),
+            "message says what to do: {msg}"
+        );
+        assert!(matches!(
+            fiber.set_function(Priority::NORMAL, || 2),
+            Err(FiberError::Queued(_))
+        ));
+        fiber.mark_dequeued().unwrap();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        assert!(matches!(fiber.mark_queued(None), Err(FiberError::Finished(_))));
+    });
+}
+
+#[test]
+fn every_message_names_the_fiber_and_says_what_to_do() {
+    let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    let id = fiber.id();
+    let cases = [
+        (FiberError::NoFunction(id), "set_function"),
+        (FiberError::Finished(id), "set_function"),
+        (FiberError::Busy(id), "run it to completion"),
+        (FiberError::Running(id), "wait until it suspends"),
+        (FiberError::Queued(id), "pop it from the queue"),
+        (FiberError::Sleeping(id), "when woken"),
+        (FiberError::WrongThread(id), "set_function_migratable"),
+    ];
+    for (err, advice) in cases {
+        let msg = err.to_string();
+        assert!(msg.starts_with(&format!("fiber {id} ")), "{msg}");
+        assert!(msg.contains(advice), "{err:?}: {msg:?} lacks {advice:?}");
+        assert!(err.source().is_none());
+    }
+}
+
+const ENOMEM_CHILD: &str = "out_of_memory_names_the_map_count_limit";
+
+#[test]
+fn out_of_memory_names_the_map_count_limit() {
+    if is_child(ENOMEM_CHILD) {
+        // Cap this (child) process's address space just above what it uses,
+        // so a large stack cannot be mapped.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let vm_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmSize:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmSize in /proc/self/status");
+        let cap = (vm_kib * 1024 + (256 << 20)) as libc::rlim_t;
+        let limit = libc::rlimit {
+            rlim_cur: cap,
+            rlim_max: libc::RLIM_INFINITY,
+        };
+        // SAFETY: setrlimit with a valid struct; this only affects the child.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+        let err = Fiber::<()>::new(FiberAttr::new().stack_size(512 << 20)).unwrap_err();
+        let bytes = match &err {
+            FiberError::Stack(StackError::OutOfMemory { bytes }) => *bytes,
+            other => panic!("expected Stack(OutOfMemory), got {other:?}"),
+        };
+        assert!(bytes > 512 << 20, "the guard page is included: {bytes}");
+        let msg = err.to_string();
+        for needle in [
+            "out of memory (ENOMEM)",
+            "vm.max_map_count",
+            "sysctl",
+            "smaller stacks",
+        ] {
+            assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
+        }
+        println!("child checked: {msg}");
+        return;
+    }
+    let out = run_child(ENOMEM_CHILD, 60);
+    assert!(out.status.success(), "child failed:\n{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("child checked:"),
+        "the child did not reach its checks:\n{}",
+        describe(&out)
+    );
+}

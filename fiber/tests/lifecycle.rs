@@ -1,0 +1,299 @@
+//! Run, yield, return and reuse: the basic life of a fiber.
+
+mod common;
+
+use common::with_watchdog;
+use spindle_fiber::{
+    current, in_fiber, yield_now, yield_value, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome,
+};
+
+/// The function of the ported monad_fiber test: yields 0..9, returns 10.
+fn count_to_ten() -> usize {
+    for i in 0..10 {
+        yield_value(i);
+    }
+    10
+}
+
+/// Runs `fiber` until it returns; the yielded values, then the returned one.
+fn drain(fiber: &Fiber<usize>) -> Vec<usize> {
+    let mut seen = Vec::new();
+    loop {
+        match fiber.run().expect("a runnable fiber") {
+            RunOutcome::Yielded(v) => seen.push(v),
+            RunOutcome::Returned(v) => {
+                seen.push(v);
+                return seen;
+            }
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn yields_zero_to_nine_then_returns_ten_and_restarts_after_set_function() {
+    with_watchdog(30, "yields_zero_to_nine", || {
+        let fiber = Fiber::new(FiberAttr::new().name("counter")).unwrap();
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        for expected in 0..10 {
+            match fiber.run().unwrap() {
+                RunOutcome::Yielded(v) => assert_eq!(v, expected),
+                other => panic!("expected Yielded({expected}), got {other:?}"),
+            }
+            assert_eq!(fiber.state(), FiberState::Ready);
+        }
+        match fiber.run().unwrap() {
+            RunOutcome::Returned(v) => assert_eq!(v, 10),
+            other => panic!("expected Returned(10), got {other:?}"),
+        }
+        assert_eq!(fiber.state(), FiberState::Finished);
+
+        // A further run is refused and says what to do.
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::Finished(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&fiber.id().to_string()),
+            "message names the fiber: {msg}"
+        );
+        assert!(
+            msg.contains("already returned"),
+            "message says what happened: {msg}"
+        );
+        assert!(msg.contains("set_function"), "message says what to do: {msg}");
+        // Refusing did not change anything.
+        assert_eq!(fiber.state(), FiberState::Finished);
+        assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
+
+        // A new function starts from the beginning again.
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert_eq!(drain(&fiber), (0..=10).collect::<Vec<_>>());
+
+        // And once more, to show reuse is not a one-off.
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        assert_eq!(drain(&fiber), (0..=10).collect::<Vec<_>>());
+    });
+}
+
+#[test]
+fn set_function_while_suspended_is_busy_and_leaves_the_fiber_alone() {
+    with_watchdog(30, "set_function_while_suspended", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        for expected in 0..4 {
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(v) if v == expected));
+        }
+        let err = fiber.set_function(Priority::HIGHEST, || 99).unwrap_err();
+        assert!(matches!(err, FiberError::Busy(id) if id == fiber.id()), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("suspended in the middle of its function"), "{msg}");
+        assert!(
+            msg.contains("run it to completion"),
+            "message says what to do: {msg}"
+        );
+        assert!(msg.contains("drop it"), "message gives the alternative: {msg}");
+
+        // The old function continues where it was, at its old priority.
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert_eq!(fiber.priority(), Priority::NORMAL);
+        let rest = drain(&fiber);
+        assert_eq!(rest, (4..=10).collect::<Vec<_>>());
+    });
+}
+
+#[test]
+fn run_before_any_function_is_no_function() {
+    with_watchdog(30, "run_before_any_function", || {
+        let fiber = Fiber::<usize>::new(FiberAttr::new()).unwrap();
+        assert_eq!(fiber.state(), FiberState::Empty);
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::NoFunction(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("has no function"),
+            "message says what happened: {msg}"
+        );
+        assert!(
+            msg.contains("call set_function first"),
+            "message says what to do: {msg}"
+        );
+        assert_eq!(fiber.state(), FiberState::Empty);
+        assert_eq!(fiber.stats().runs, 0);
+
+        // The fiber is fine afterwards.
+        fiber.set_function(Priority::NORMAL, || 5).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(5)));
+    });
+}
+
+#[test]
+fn set_function_replaces_a_function_that_has_not_started() {
+    with_watchdog(30, "set_function_replaces_unstarted", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::LOWEST, || "first").unwrap();
+        fiber.set_function(Priority::HIGHEST, || "second").unwrap();
+        assert_eq!(fiber.priority(), Priority::HIGHEST);
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned("second")));
+    });
+}
+
+#[test]
+fn current_is_none_on_a_thread_and_names_the_fiber_inside_it() {
+    with_watchdog(30, "current_inside_and_outside", || {
+        assert!(current().is_none());
+        assert!(!in_fiber());
+
+        let fiber = Fiber::new(FiberAttr::new().name("worker")).unwrap();
+        let prio = Priority(42);
+        fiber
+            .set_function(prio, move || {
+                let before = current().expect("current() inside a fiber");
+                assert!(in_fiber());
+                yield_now();
+                let after = current().expect("current() after a yield");
+                (
+                    before.id(),
+                    before.name().map(str::to_owned),
+                    before.priority(),
+                    after.id(),
+                )
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        // Back on the thread between runs.
+        assert!(current().is_none());
+        assert!(!in_fiber());
+        let (id, name, p, id_after) = fiber.run().unwrap().unwrap_returned();
+        assert_eq!(id, fiber.id());
+        assert_eq!(id_after, fiber.id());
+        assert_eq!(name.as_deref(), Some("worker"));
+        assert_eq!(p, prio);
+        assert_eq!(fiber.priority(), prio);
+        assert!(current().is_none());
+    });
+}
+
+#[test]
+fn yield_on_an_ordinary_thread_is_a_thread_yield() {
+    with_watchdog(30, "yield_on_thread", || {
+        // Must return at once rather than crash or block.
+        yield_now();
+        yield_value(7);
+        assert!(current().is_none());
+    });
+}
+
+#[test]
+fn yield_from_deep_in_the_call_stack() {
+    with_watchdog(30, "yield_from_deep", || {
+        #[inline(never)]
+        fn deep(n: usize, acc: usize) -> usize {
+            if n == 0 {
+                yield_value(acc);
+                acc
+            } else {
+                // Work after the yield proves the frames survived it.
+                deep(n - 1, acc + n) + 1
+            }
+        }
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, || deep(20, 0)).unwrap();
+        let sum: usize = (1..=20).sum();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(v) if v == sum));
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(v) if v == sum + 20));
+    });
+}
+
+#[test]
+fn locals_survive_suspension_and_the_return_value_is_typed() {
+    with_watchdog(30, "locals_survive", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                let mut words = Vec::new();
+                for (i, w) in ["run", "yield", "return"].into_iter().enumerate() {
+                    words.push(w.to_string());
+                    yield_value(i);
+                }
+                words.join(" ")
+            })
+            .unwrap();
+        for i in 0..3 {
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(v) if v == i));
+        }
+        let joined: String = fiber.run().unwrap().unwrap_returned();
+        assert_eq!(joined, "run yield return");
+    });
+}
+
+#[test]
+fn state_is_running_while_the_fiber_runs() {
+    with_watchdog(30, "state_while_running", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let me = fiber.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let s1 = me.state();
+                yield_now();
+                (s1, me.state())
+            })
+            .unwrap();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert_eq!(fiber.state(), FiberState::Ready);
+        let (s1, s2) = fiber.run().unwrap().unwrap_returned();
+        assert_eq!((s1, s2), (FiberState::Running, FiberState::Running));
+        assert_eq!(fiber.state(), FiberState::Finished);
+    });
+}
+
+/// The address of a local of a fresh frame: where the stack is right now.
+#[inline(never)]
+fn stack_address() -> usize {
+    let marker = 0u8;
+    std::hint::black_box(&marker) as *const u8 as usize
+}
+
+#[test]
+fn a_reused_fiber_runs_its_new_function_on_the_same_stack() {
+    with_watchdog(30, "reuse_same_stack", || {
+        let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024)).unwrap();
+        let size = fiber.stack_size();
+        fiber.set_function(Priority::NORMAL, stack_address).unwrap();
+        let first = fiber.run().unwrap().unwrap_returned();
+        let here = stack_address();
+        assert!(
+            first.abs_diff(here) > size,
+            "the fiber ran on its own stack, not the thread's"
+        );
+        for _ in 0..3 {
+            fiber.set_function(Priority::NORMAL, stack_address).unwrap();
+            let again = fiber.run().unwrap().unwrap_returned();
+            assert!(
+                again.abs_diff(first) < size,
+                "reused fiber ran on a different stack: {first:#x} then {again:#x}"
+            );
+        }
+    });
+}
+
+#[test]
+fn stack_size_is_rounded_up_to_whole_pages() {
+    with_watchdog(30, "stack_size_rounding", || {
+        let default = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        assert_eq!(default.stack_size(), spindle_fiber::DEFAULT_STACK_SIZE);
+        let odd = Fiber::<()>::new(FiberAttr::new().stack_size(64 * 1024 + 1)).unwrap();
+        assert!(odd.stack_size() > 64 * 1024, "{}", odd.stack_size());
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        assert_eq!(odd.stack_size() % page, 0);
+        assert!(odd.stack_size() < 64 * 1024 + 1 + page);
+    });
+}

@@ -1,0 +1,521 @@
+//! Loom models of the sleep/wake protocol (DESIGN.md, "Sleep/wake
+//! protocol"), driving the real [`StateCell`] transitions.
+//!
+//! Run with:
+//!
+//! ```text
+//! LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test --release -p spindle-fiber --test loom
+//! ```
+//!
+//! What is real and what is modelled:
+//!
+//! * the fiber's state word and its transitions (`transition`,
+//!   `transition_to_woken`, `transition_to_sleeping`,
+//!   `transition_to_yielded`, `store`) are the crate's own code, built on
+//!   loom atomics through `fiber/src/loom.rs`;
+//! * the runner's reaction to a yield or a sleep, `finish_wake_owned` and
+//!   `Waiter::wake` are mirrored here line for line (they need a real stack
+//!   switch and the type-erased header, which loom cannot run);
+//! * the stack switch is modelled: the fiber's function is a resumable step
+//!   function over a [`Stack`] held in a loom `UnsafeCell`, run inside
+//!   `with_mut` by whoever runs the fiber, so loom reports any two runs
+//!   that are not ordered by the state machine (two threads on one stack,
+//!   or a stack touched before the previous run switched out);
+//! * the wait list of `spindle-sync` (a semaphore: tokens, one waiter slot,
+//!   the node's `value`/`done`) and the run queue (a `VecDeque` behind a
+//!   mutex, a condvar for the idle scheduler) are small loom stand-ins that
+//!   follow the numbered steps of `sync/src/wait.rs`.
+//!
+//! Every execution must end with the fiber finished after all its rounds
+//! (a lost wakeup leaves the scheduler parked: loom reports a deadlock),
+//! scheduled exactly once per wake, never queued twice, never resumed
+//! without a wake, never run on two threads at once.
+
+#![cfg(loom)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};
+
+use loom::cell::UnsafeCell;
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::sync::{Arc, Condvar, Mutex};
+use loom::thread;
+use spindle_fiber::__loom::{FiberState, SleepTransition, StateCell, WakeTransition};
+
+/// How many times the fiber waits on the semaphore.
+const ROUNDS: usize = 2;
+
+/// Where the fiber's function resumes (its "program counter").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pc {
+    /// Sleeper step 1 of round `r`.
+    Acquire(usize),
+    /// Just after `sleep()` returned in round `r`.
+    Resumed(usize),
+    /// Between round `r` and `r + 1`: yield once.
+    Yield(usize),
+    /// About to return.
+    Done,
+}
+
+/// Why the fiber switched back to its runner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Msg {
+    Yield,
+    Sleep,
+    Return,
+}
+
+/// The fiber's stack: only whoever runs the fiber touches it.
+#[derive(Debug)]
+struct Stack {
+    pc: Pc,
+    /// Tokens acquired so far.
+    acquired: usize,
+    /// Times the function went to sleep.
+    sleeps: usize,
+}
+
+/// The fiber's slot: touched by whoever holds the state (`Running` or
+/// `Locked`), as in `fiber.rs`.
+#[derive(Debug)]
+struct Slot {
+    /// Whether the fiber has a run queue to go back to (it always has here).
+    home: bool,
+    runs: usize,
+}
+
+/// A wait-list node (it lives on the fiber's stack in the real code).
+struct Node {
+    /// Written by the waker under the semaphore's lock.
+    value: UnsafeCell<usize>,
+    /// The waker's last touch of the node (Release).
+    done: AtomicBool,
+}
+
+/// The semaphore's lock-guarded state.
+#[derive(Debug, Default)]
+struct Sem {
+    tokens: usize,
+    /// The linked waiter (its round), if any: at most one fiber waits here.
+    waiter: Option<usize>,
+}
+
+/// The run queue's lock-guarded state.
+#[derive(Debug, Default)]
+struct Queue {
+    fibers: VecDeque<()>,
+    /// Set by the runner that saw the fiber return.
+    finished: bool,
+}
+
+struct World {
+    // The fiber.
+    state: StateCell,
+    stack: UnsafeCell<Stack>,
+    slot: UnsafeCell<Slot>,
+    /// Runners currently inside the fiber's function.
+    on_cpu: AtomicUsize,
+    // The semaphore and its wait list.
+    sem: Mutex<Sem>,
+    nodes: [Node; ROUNDS],
+    /// Waits that found a linked waiter and woke it.
+    wakes: AtomicUsize,
+    // The run queue.
+    queue: Mutex<Queue>,
+    not_empty: Condvar,
+    /// Pushes made by a wake (`finish_wake_owned`).
+    wake_schedules: AtomicUsize,
+    /// Pushes made by the runner after a yield.
+    requeues: AtomicUsize,
+    /// Options of the model.
+    yield_between_rounds: bool,
+    /// Makes the function wait, `Running`, for the first release before its
+    /// first sleeper step 1 (the "wake before link" model).
+    first_release_before_link: bool,
+    released: Mutex<usize>,
+    released_cv: Condvar,
+    coverage: &'static Coverage,
+}
+
+impl World {
+    fn new(
+        yield_between_rounds: bool,
+        first_release_before_link: bool,
+        coverage: &'static Coverage,
+    ) -> World {
+        World {
+            state: StateCell::new(FiberState::Ready),
+            stack: UnsafeCell::new(Stack {
+                pc: Pc::Acquire(0),
+                acquired: 0,
+                sleeps: 0,
+            }),
+            slot: UnsafeCell::new(Slot { home: true, runs: 0 }),
+            on_cpu: AtomicUsize::new(0),
+            sem: Mutex::new(Sem::default()),
+            nodes: std::array::from_fn(|_| Node {
+                value: UnsafeCell::new(0),
+                done: AtomicBool::new(false),
+            }),
+            wakes: AtomicUsize::new(0),
+            queue: Mutex::new(Queue::default()),
+            not_empty: Condvar::new(),
+            wake_schedules: AtomicUsize::new(0),
+            requeues: AtomicUsize::new(0),
+            yield_between_rounds,
+            first_release_before_link,
+            released: Mutex::new(0),
+            released_cv: Condvar::new(),
+            coverage,
+        }
+    }
+
+    fn after_round(&self, r: usize) -> Pc {
+        if r + 1 == ROUNDS {
+            Pc::Done
+        } else if self.yield_between_rounds {
+            Pc::Yield(r)
+        } else {
+            Pc::Acquire(r + 1)
+        }
+    }
+
+    /// The fiber's function, from where it last suspended to its next
+    /// suspension (sleeper steps 1 to 4 and 5, `spindle-sync`'s `wait`).
+    fn resume(&self, s: &mut Stack) -> Msg {
+        loop {
+            match s.pc {
+                Pc::Acquire(r) => {
+                    if r == 0 && self.first_release_before_link {
+                        let mut n = self.released.lock().unwrap();
+                        while *n == 0 {
+                            n = self.released_cv.wait(n).unwrap();
+                        }
+                        drop(n);
+                        // The waker found no waiter and left the state alone.
+                        assert_eq!(self.state.load(), FiberState::Running);
+                    }
+                    // Step 1: lock; take a token if there is one.
+                    let mut sem = self.sem.lock().unwrap();
+                    if sem.tokens > 0 {
+                        sem.tokens -= 1;
+                        drop(sem);
+                        s.acquired += 1;
+                        s.pc = self.after_round(r);
+                        continue;
+                    }
+                    // Step 2: link the node; step 3: unlock.
+                    assert!(sem.waiter.is_none(), "a node linked twice");
+                    assert!(!self.nodes[r].done.load(Ordering::Relaxed));
+                    sem.waiter = Some(r);
+                    drop(sem);
+                    // Step 4: `sleep()` switches out to the runner.
+                    s.sleeps += 1;
+                    s.pc = Pc::Resumed(r);
+                    return Msg::Sleep;
+                }
+                Pc::Resumed(r) => {
+                    // Step 5: only a wake resumes a sleeper.
+                    assert!(
+                        self.nodes[r].done.load(Ordering::Acquire),
+                        "round {r}: the fiber was resumed without being woken"
+                    );
+                    assert_eq!(self.nodes[r].value.with(|v| unsafe { *v }), 1);
+                    s.acquired += 1;
+                    s.pc = self.after_round(r);
+                }
+                Pc::Yield(r) => {
+                    s.pc = Pc::Acquire(r + 1);
+                    return Msg::Yield;
+                }
+                Pc::Done => return Msg::Return,
+            }
+        }
+    }
+
+    /// `Fiber::run`: `Ready` → `Running`, switch in, and what the runner
+    /// does after the fiber switched out.
+    fn run(&self) -> Msg {
+        self.state
+            .transition(FiberState::Ready, FiberState::Running)
+            .expect("run: the fiber is not Ready");
+        assert_eq!(
+            self.on_cpu.fetch_add(1, Ordering::SeqCst),
+            0,
+            "the fiber runs on two threads"
+        );
+        self.slot.with_mut(|s| unsafe { (*s).runs += 1 });
+        let msg = self.stack.with_mut(|s| self.resume(unsafe { &mut *s }));
+        // The stack has switched out: the function no longer runs.
+        self.on_cpu.fetch_sub(1, Ordering::SeqCst);
+        match msg {
+            Msg::Yield => self.state.transition_to_yielded(),
+            Msg::Sleep => match self.state.transition_to_sleeping() {
+                SleepTransition::Asleep => {}
+                // Runner step 5: a waker came between the link and the
+                // switch; finish the wake for it.
+                SleepTransition::AlreadyWoken => {
+                    self.coverage.already_woken.store(true, StdOrdering::Relaxed);
+                    self.finish_wake_owned();
+                }
+            },
+            Msg::Return => self.state.store(FiberState::Finished),
+        }
+        msg
+    }
+
+    /// After `run`: a yielded fiber goes back to the queue
+    /// (`RunQueue::requeue`), a returned one ends the model.
+    fn after_run(&self, msg: Msg) {
+        match msg {
+            Msg::Yield => {
+                // `mark_queued`: Ready → Locked → Queued, then push.
+                self.state
+                    .transition(FiberState::Ready, FiberState::Locked)
+                    .expect("requeue: the fiber is not Ready");
+                self.state.store(FiberState::Queued);
+                self.requeues.fetch_add(1, Ordering::Relaxed);
+                self.push();
+            }
+            Msg::Sleep => {}
+            Msg::Return => {
+                let mut q = self.queue.lock().unwrap();
+                q.finished = true;
+                drop(q);
+                self.not_empty.notify_all();
+            }
+        }
+    }
+
+    /// `Fiber::finish_wake_owned`: the caller holds the state `Locked`.
+    fn finish_wake_owned(&self) {
+        assert_eq!(self.state.load(), FiberState::Locked);
+        let home = self.slot.with(|s| unsafe { (*s).home });
+        assert!(home);
+        self.state.store(FiberState::Queued);
+        self.wake_schedules.fetch_add(1, Ordering::Relaxed);
+        self.push();
+    }
+
+    /// `Schedule::schedule` / the run queue's insert.
+    fn push(&self) {
+        let mut q = self.queue.lock().unwrap();
+        assert!(q.fibers.is_empty(), "the fiber is queued twice");
+        assert!(!q.finished);
+        assert_eq!(self.state.load(), FiberState::Queued);
+        q.fibers.push_back(());
+        drop(q);
+        self.not_empty.notify_one();
+    }
+
+    /// Waker steps 1 to 3 (`Semaphore::release(1)` then `Waiter::wake`).
+    fn release(&self) {
+        let mut sem = self.sem.lock().unwrap();
+        let popped = sem.waiter.take();
+        match popped {
+            Some(r) => {
+                // Step 1: unlink, hand over the value, set `done`.
+                self.nodes[r].value.with_mut(|v| unsafe { *v = 1 });
+                self.nodes[r].done.store(true, Ordering::Release);
+            }
+            // No waiter: bank the token; the fiber's state is not touched.
+            None => sem.tokens += 1,
+        }
+        // Step 2: unlock.
+        drop(sem);
+        if self.first_release_before_link {
+            *self.released.lock().unwrap() += 1;
+            self.released_cv.notify_all();
+        }
+        let Some(r) = popped else { return };
+        // Step 3: `Waiter::wake`.
+        self.wakes.fetch_add(1, Ordering::Relaxed);
+        match self.state.transition_to_woken() {
+            WakeTransition::Owned => {
+                self.coverage.owned[r].store(true, StdOrdering::Relaxed);
+                self.finish_wake_owned();
+            }
+            WakeTransition::Deferred => {
+                self.coverage.deferred[r].store(true, StdOrdering::Relaxed);
+            }
+        }
+    }
+
+    /// The scheduler: pops the queued fiber (`mark_dequeued`: Queued →
+    /// Ready) and runs it, until the fiber has returned.
+    fn schedule_loop(&self) {
+        loop {
+            let mut q = self.queue.lock().unwrap();
+            let popped = loop {
+                if q.fibers.pop_front().is_some() {
+                    break true;
+                }
+                if q.finished {
+                    break false;
+                }
+                q = self.not_empty.wait(q).unwrap();
+            };
+            drop(q);
+            if !popped {
+                return;
+            }
+            self.state
+                .transition(FiberState::Queued, FiberState::Ready)
+                .expect("mark_dequeued: the fiber is not Queued");
+            let msg = self.run();
+            self.after_run(msg);
+        }
+    }
+
+    /// What must hold once every thread has finished.
+    fn check_end(&self) {
+        assert_eq!(self.state.load(), FiberState::Finished);
+        let (acquired, sleeps) = self.stack.with(|s| unsafe { ((*s).acquired, (*s).sleeps) });
+        assert_eq!(acquired, ROUNDS, "the fiber did not complete every round");
+        let wakes = self.wakes.load(Ordering::Relaxed);
+        let wake_schedules = self.wake_schedules.load(Ordering::Relaxed);
+        assert_eq!(sleeps, wakes, "every sleep is woken exactly once");
+        assert_eq!(
+            wake_schedules, wakes,
+            "the fiber is scheduled exactly once per wake"
+        );
+        let requeues = self.requeues.load(Ordering::Relaxed);
+        let runs = self.slot.with(|s| unsafe { (*s).runs });
+        assert_eq!(
+            runs,
+            1 + wake_schedules + requeues,
+            "every push runs the fiber once"
+        );
+        let sem = self.sem.lock().unwrap();
+        assert_eq!((sem.tokens, sem.waiter), (0, None));
+        drop(sem);
+        let q = self.queue.lock().unwrap();
+        assert!(q.fibers.is_empty() && q.finished);
+        if sleeps == ROUNDS {
+            self.coverage.slept_every_round.store(true, StdOrdering::Relaxed);
+        }
+    }
+}
+
+/// Which interesting paths some execution took (outside the model: loom
+/// does not see these). Checked after `loom::model` so that a model that
+/// stops exploring them fails instead of passing vacuously.
+struct Coverage {
+    owned: [StdAtomicBool; ROUNDS],
+    deferred: [StdAtomicBool; ROUNDS],
+    already_woken: StdAtomicBool,
+    slept_every_round: StdAtomicBool,
+}
+
+impl Coverage {
+    const fn new() -> Coverage {
+        Coverage {
+            owned: [const { StdAtomicBool::new(false) }; ROUNDS],
+            deferred: [const { StdAtomicBool::new(false) }; ROUNDS],
+            already_woken: StdAtomicBool::new(false),
+            slept_every_round: StdAtomicBool::new(false),
+        }
+    }
+
+    /// Every wake path in every round, and an execution that slept in
+    /// every round.
+    fn assert_complete(&self) {
+        if !expect_coverage() {
+            return;
+        }
+        for r in 0..ROUNDS {
+            assert!(
+                self.owned[r].load(StdOrdering::Relaxed),
+                "round {r}: no Owned wake explored"
+            );
+            assert!(
+                self.deferred[r].load(StdOrdering::Relaxed),
+                "round {r}: no Deferred wake explored"
+            );
+        }
+        assert!(
+            self.already_woken.load(StdOrdering::Relaxed),
+            "no AlreadyWoken sleep explored"
+        );
+        assert!(
+            self.slept_every_round.load(StdOrdering::Relaxed),
+            "no execution slept every round"
+        );
+    }
+}
+
+/// Spawns the sleeper (first runner), the waker (releases once per round)
+/// and the scheduler (runs the fiber whenever it is queued), joins them and
+/// checks the end state.
+fn run_model(w: &Arc<World>) {
+    let sleeper = {
+        let w = w.clone();
+        thread::spawn(move || {
+            let msg = w.run();
+            w.after_run(msg);
+        })
+    };
+    let waker = {
+        let w = w.clone();
+        thread::spawn(move || {
+            for _ in 0..ROUNDS {
+                w.release();
+            }
+        })
+    };
+    let scheduler = {
+        let w = w.clone();
+        thread::spawn(move || w.schedule_loop())
+    };
+    sleeper.join().unwrap();
+    waker.join().unwrap();
+    scheduler.join().unwrap();
+    w.check_end();
+}
+
+/// Whether the preemption bound lets loom reach the interleavings the
+/// coverage check expects.
+fn expect_coverage() -> bool {
+    std::env::var("LOOM_MAX_PREEMPTIONS").map_or(true, |v| v.parse::<usize>().map_or(true, |n| n >= 2))
+}
+
+/// Two rounds: a sleeper, a waker releasing twice, a scheduler. The fiber
+/// runs first on the sleeper thread, then on the scheduler thread; between
+/// the rounds it yields and is requeued. Each release may come before the
+/// link (banked token), between the link and the switch (`RunningWoken`),
+/// or after the switch (`Sleeping`).
+#[test]
+fn sleep_wake_two_rounds() {
+    static COVERAGE: Coverage = Coverage::new();
+    loom::model(|| run_model(&Arc::new(World::new(true, false, &COVERAGE))));
+    COVERAGE.assert_complete();
+}
+
+/// The same without the yield: round 2's sleeper step 1 follows round 1's
+/// resume directly. A wake deferred in round 1 (`RunningWoken`) must not
+/// leak into round 2: the second sleep must wait for the second release
+/// (the C original's "woken before sleeping" flag, never reset, is this
+/// bug).
+#[test]
+fn sleep_wake_two_rounds_back_to_back() {
+    static COVERAGE: Coverage = Coverage::new();
+    loom::model(|| run_model(&Arc::new(World::new(false, false, &COVERAGE))));
+    COVERAGE.assert_complete();
+}
+
+/// The wake comes while the fiber runs but before it links itself: the
+/// waker finds the list empty, banks the token and leaves the fiber's state
+/// alone (still `Running`, not `RunningWoken`); the fiber then takes the
+/// token without sleeping. The second release races the second round.
+#[test]
+fn wake_before_link() {
+    static COVERAGE: Coverage = Coverage::new();
+    loom::model(|| {
+        let w = Arc::new(World::new(false, true, &COVERAGE));
+        run_model(&w);
+        let sleeps = w.stack.with(|s| unsafe { (*s).sleeps });
+        assert!(sleeps < ROUNDS, "round 1 took the banked token");
+    });
+}

@@ -1,0 +1,343 @@
+//! Fibers that move between threads: migratable fibers (the unsafe opt-in)
+//! resume correctly elsewhere; pinned fibers (the safe default) refuse to.
+
+mod common;
+
+use common::{with_watchdog, DropCounter};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::{self, ThreadId};
+
+use spindle_fiber::{
+    current, leaked_stacks, yield_value, Fiber, FiberAttr, FiberError, FiberId, FiberState, Priority,
+    RunOutcome,
+};
+
+/// The calling thread's id, read through a call that is not inlined into a
+/// function that suspends (the contract of `set_function_migratable`).
+#[inline(never)]
+fn thread_now() -> ThreadId {
+    thread::current().id()
+}
+
+#[inline(never)]
+fn fiber_now() -> Option<FiberId> {
+    current().map(|c| c.id())
+}
+
+/// Serialises the tests that compare `leaked_stacks()` (a process-wide
+/// count) before and after, so they do not see each other's leaks.
+static LEAK_COUNT: Mutex<()> = Mutex::new(());
+
+/// What the migrating fiber observed before and after its yield.
+#[derive(Debug)]
+struct Observed {
+    before_thread: ThreadId,
+    after_thread: ThreadId,
+    before_fiber: Option<FiberId>,
+    after_fiber: Option<FiberId>,
+    local_sum: u64,
+}
+
+#[test]
+fn a_migratable_fiber_yields_on_one_thread_and_resumes_on_another() {
+    with_watchdog(30, "migrate_a_to_b", || {
+        let (to_b, from_a) = mpsc::channel::<Fiber<Observed>>();
+        let a = thread::spawn(move || {
+            let fiber = Fiber::new(FiberAttr::new().name("traveller")).unwrap();
+            // SAFETY: the function holds only Send values (integers, ids)
+            // across its suspension, and reads thread-locals only through
+            // the non-inlined helpers above.
+            unsafe {
+                fiber.set_function_migratable(Priority::NORMAL, || {
+                    let before_thread = thread_now();
+                    let before_fiber = fiber_now();
+                    let values: Vec<u64> = (1..=10).collect();
+                    yield_value(1);
+                    Observed {
+                        before_thread,
+                        after_thread: thread_now(),
+                        before_fiber,
+                        after_fiber: fiber_now(),
+                        local_sum: values.iter().sum(),
+                    }
+                })
+            }
+            .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+            assert!(current().is_none());
+            let id = fiber.id();
+            to_b.send(fiber).unwrap();
+            (thread_now(), id)
+        });
+        let b = thread::spawn(move || {
+            let fiber = from_a.recv().unwrap();
+            let seen = fiber.run().unwrap().unwrap_returned();
+            assert!(current().is_none(), "thread B is not left inside the fiber");
+            (thread_now(), fiber.id(), seen, fiber.stats(), fiber.state())
+        });
+        let (a_id, fiber_id) = a.join().unwrap();
+        let (b_id, fiber_id_b, seen, stats, state) = b.join().unwrap();
+        assert_eq!(fiber_id, fiber_id_b);
+        assert_ne!(a_id, b_id);
+        assert_eq!(seen.before_thread, a_id, "first run on thread A");
+        assert_eq!(seen.after_thread, b_id, "resumed on thread B");
+        assert_eq!(seen.before_fiber, Some(fiber_id));
+        assert_eq!(
+            seen.after_fiber,
+            Some(fiber_id),
+            "current() right after migrating"
+        );
+        assert_eq!(seen.local_sum, 55, "the stack's contents moved with the fiber");
+        assert_eq!(stats.migrations, 1);
+        assert_eq!(stats.runs, 2);
+        assert_eq!(stats.yields, 1);
+        assert_eq!(state, FiberState::Finished);
+    });
+}
+
+/// Runs every fiber that arrives in `inbox` once; passes it on to `next` if
+/// it yielded, or reports it to `done` if it returned.
+fn ping_pong_worker(
+    inbox: mpsc::Receiver<Fiber<Vec<ThreadId>>>,
+    next: mpsc::Sender<Fiber<Vec<ThreadId>>>,
+    done: mpsc::Sender<(Vec<ThreadId>, Fiber<Vec<ThreadId>>)>,
+) -> ThreadId {
+    for fiber in inbox {
+        match fiber.run().unwrap() {
+            RunOutcome::Yielded(_) => next.send(fiber).unwrap(),
+            RunOutcome::Returned(seen) => {
+                done.send((seen, fiber)).unwrap();
+                // Dropping `next` lets the other worker's loop end.
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    thread_now()
+}
+
+#[test]
+fn a_migratable_fiber_ping_pongs_between_two_threads() {
+    const HOPS: usize = 200;
+    with_watchdog(60, "ping_pong", || {
+        let (to_a, at_a) = mpsc::channel();
+        let (to_b, at_b) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+
+        let fiber = Fiber::new(FiberAttr::new().name("ping-pong")).unwrap();
+        // SAFETY: only a Vec of ThreadIds (Send) is alive across the
+        // suspensions; thread-locals are read through a non-inlined call.
+        unsafe {
+            fiber.set_function_migratable(Priority::NORMAL, || {
+                let mut seen = Vec::with_capacity(HOPS + 1);
+                for i in 0..HOPS {
+                    seen.push(thread_now());
+                    yield_value(i);
+                }
+                seen.push(thread_now());
+                seen
+            })
+        }
+        .unwrap();
+
+        let done_a = done_tx.clone();
+        let to_a_from_b = to_a.clone();
+        let a = thread::spawn(move || ping_pong_worker(at_a, to_b, done_a));
+        let b = thread::spawn(move || ping_pong_worker(at_b, to_a_from_b, done_tx));
+        to_a.send(fiber).unwrap();
+        drop(to_a);
+
+        let (seen, fiber) = done_rx.recv().expect("the fiber returned on one of the workers");
+        let a_id = a.join().unwrap();
+        let b_id = b.join().unwrap();
+        assert_eq!(seen.len(), HOPS + 1);
+        for (i, t) in seen.iter().enumerate() {
+            let expected = if i % 2 == 0 { a_id } else { b_id };
+            assert_eq!(*t, expected, "run {i} happened on the wrong thread");
+        }
+        let stats = fiber.stats();
+        assert_eq!(stats.runs, HOPS as u64 + 1);
+        assert_eq!(stats.yields, HOPS as u64);
+        assert_eq!(
+            stats.migrations, HOPS as u64,
+            "every run after the first changed thread"
+        );
+    });
+}
+
+#[test]
+fn a_pinned_fiber_refuses_to_run_on_another_thread_and_still_works_on_its_own() {
+    with_watchdog(30, "pinned_wrong_thread", || {
+        let (to_b, at_b) = mpsc::channel::<Fiber<ThreadId>>();
+        let (back_to_a, at_a) = mpsc::channel::<Fiber<ThreadId>>();
+        let a = thread::spawn(move || {
+            let fiber = Fiber::new(FiberAttr::new().name("homebody")).unwrap();
+            fiber
+                .set_function(Priority::NORMAL, || {
+                    let before = thread_now();
+                    yield_value(1);
+                    let after = thread_now();
+                    assert_eq!(before, after, "a pinned fiber resumed on another thread");
+                    after
+                })
+                .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+            to_b.send(fiber).unwrap();
+            let fiber = at_a.recv().unwrap();
+            // Back home it continues where it left off.
+            let ran_on = fiber.run().unwrap().unwrap_returned();
+            assert_eq!(ran_on, thread_now());
+            let stats = fiber.stats();
+            assert_eq!(stats.runs, 2, "the refused run is not counted");
+            assert_eq!(stats.migrations, 0);
+            // Once finished it may take a new function and run anywhere.
+            fiber.set_function(Priority::NORMAL, thread_now).unwrap();
+            fiber
+        });
+        let fiber = at_b.recv().unwrap();
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::WrongThread(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("pinned to the thread it started on"), "{msg}");
+        assert!(
+            msg.contains("set_function_migratable"),
+            "message says what to do: {msg}"
+        );
+        assert_eq!(
+            fiber.state(),
+            FiberState::Ready,
+            "a refused run leaves it runnable"
+        );
+        assert!(matches!(
+            fiber.set_function(Priority::NORMAL, thread_now),
+            Err(FiberError::Busy(_))
+        ));
+        back_to_a.send(fiber).unwrap();
+
+        let fiber = a.join().unwrap();
+        // A new function is not pinned to the old function's thread.
+        assert_eq!(fiber.run().unwrap().unwrap_returned(), thread_now());
+    });
+}
+
+#[test]
+fn a_migratable_fiber_dropped_on_another_thread_is_unwound_there() {
+    with_watchdog(30, "migratable_drop_elsewhere", || {
+        let _serial = LEAK_COUNT.lock().unwrap_or_else(|e| e.into_inner());
+        let drops = Arc::new(AtomicUsize::new(0));
+        let leaked_before = leaked_stacks();
+        let d = drops.clone();
+        let fiber = thread::spawn(move || {
+            let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            // SAFETY: the only local alive across the yield is a counter
+            // holding an Arc (Send).
+            unsafe {
+                fiber.set_function_migratable(Priority::NORMAL, move || {
+                    let _g = DropCounter(d);
+                    yield_value(1);
+                })
+            }
+            .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+            fiber
+        })
+        .join()
+        .unwrap();
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "unwound on the dropping thread");
+        assert_eq!(leaked_stacks(), leaked_before);
+    });
+}
+
+#[test]
+fn a_suspended_pinned_fiber_dropped_on_another_thread_is_leaked_not_unwound() {
+    with_watchdog(30, "pinned_drop_elsewhere", || {
+        let _serial = LEAK_COUNT.lock().unwrap_or_else(|e| e.into_inner());
+        let drops = Arc::new(AtomicUsize::new(0));
+        let leaked_before = leaked_stacks();
+        let d = drops.clone();
+        let fiber = thread::spawn(move || {
+            let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _g = DropCounter(d);
+                    yield_value(1);
+                })
+                .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+            fiber
+        })
+        .join()
+        .unwrap();
+        drop(fiber);
+        // Its locals may be thread-affine: they must not be dropped here.
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "a pinned fiber's locals were dropped elsewhere"
+        );
+        assert_eq!(leaked_stacks(), leaked_before + 1, "the leak is counted");
+    });
+}
+
+#[test]
+fn threads_racing_to_run_one_fiber_take_turns() {
+    const YIELDS: usize = 2_000;
+    with_watchdog(60, "racing_runs", || {
+        let fiber = Fiber::new(FiberAttr::new().name("contended")).unwrap();
+        // SAFETY: only integers are alive across the suspensions.
+        unsafe {
+            fiber.set_function_migratable(Priority::NORMAL, || {
+                for i in 0..YIELDS {
+                    yield_value(i);
+                }
+                YIELDS
+            })
+        }
+        .unwrap();
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                let fiber = fiber.clone();
+                thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    loop {
+                        match fiber.run() {
+                            Ok(RunOutcome::Yielded(v)) => seen.push(v),
+                            Ok(RunOutcome::Returned(v)) => {
+                                seen.push(v);
+                                break;
+                            }
+                            Ok(other) => panic!("unexpected {other:?}"),
+                            // The other thread is running it right now.
+                            Err(FiberError::Running(_)) => std::hint::spin_loop(),
+                            Err(FiberError::Finished(_)) => break,
+                            Err(e) => panic!("unexpected error: {e}"),
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for r in racers {
+            let seen = r.join().unwrap();
+            assert!(
+                seen.windows(2).all(|w| w[0] < w[1]),
+                "each thread saw increasing values"
+            );
+            all.extend(seen);
+        }
+        all.sort_unstable();
+        assert_eq!(all, (0..=YIELDS).collect::<Vec<_>>(), "every value exactly once");
+        let stats = fiber.stats();
+        assert_eq!(stats.runs, YIELDS as u64 + 1);
+        assert_eq!(stats.yields, YIELDS as u64);
+        assert!(stats.migrations <= YIELDS as u64);
+    });
+}

@@ -1,0 +1,177 @@
+//! Stack overflow reports, each checked in a child process (the report
+//! aborts the process): a fiber that overflows its stack is named, with its
+//! id and stack size; faults elsewhere still reach Rust's own handler.
+
+mod common;
+
+use common::{describe, is_child, no_core_dumps, run_child};
+use std::hint::black_box;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Output;
+
+use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+
+/// Recurses until the stack runs out. The buffer and the use of the
+/// result after the call keep it a real recursion with real frames.
+#[inline(never)]
+fn recurse(depth: u64) -> u64 {
+    let mut buf = [0u8; 1024];
+    buf[0] = depth as u8;
+    let buf = black_box(&mut buf);
+    if black_box(depth) == u64::MAX {
+        return 0;
+    }
+    recurse(depth + 1) + u64::from(buf[0]) + u64::from(buf[1023])
+}
+
+/// Creates a fiber named `name` with a 64 KiB stack whose function
+/// overflows it; prints its identity for the parent to check.
+fn overflowing_fiber(name: &str) -> Fiber<u64> {
+    let fiber = Fiber::new(FiberAttr::new().name(name).stack_size(64 * 1024)).unwrap();
+    eprintln!("child fiber: {} {}", fiber.id(), fiber.stack_size());
+    fiber.set_function(Priority::NORMAL, || recurse(0)).unwrap();
+    fiber
+}
+
+/// The `(id, stack size)` the child printed.
+fn child_fiber(out: &Output) -> (String, String) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("child fiber: "))
+        .unwrap_or_else(|| panic!("the child did not print its fiber:\n{}", describe(out)));
+    let (id, size) = line.split_once(' ').expect("id and size");
+    (id.to_owned(), size.to_owned())
+}
+
+/// Checks that the child aborted with the fiber overflow report for `name`.
+fn assert_fiber_report(out: &Output, name: &str) {
+    let all = describe(out);
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGABRT),
+        "the child must abort:\n{all}"
+    );
+    let (id, size) = child_fiber(out);
+    assert!(id.starts_with('#'), "{id}");
+    assert_eq!(size, (64 * 1024).to_string());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        name,
+        id.as_str(),
+        size.as_str(),
+        "has overflowed its stack",
+        "fatal runtime error: stack overflow in a fiber, aborting",
+    ] {
+        assert!(
+            stderr.contains(needle),
+            "{needle:?} missing from the report:\n{all}"
+        );
+    }
+    let report = format!("fiber '{name}' ({id}) has overflowed its stack ({size} bytes)");
+    assert!(stderr.contains(&report), "expected {report:?}:\n{all}");
+    assert!(!stderr.contains("unexpectedly returned"), "{all}");
+}
+
+const FIBER_CHILD: &str = "a_fiber_stack_overflow_is_reported_with_name_id_and_size";
+
+#[test]
+fn a_fiber_stack_overflow_is_reported_with_name_id_and_size() {
+    if is_child(FIBER_CHILD) {
+        no_core_dumps();
+        let fiber = overflowing_fiber("deep-diver");
+        let outcome = fiber.run();
+        eprintln!("unexpectedly returned: {outcome:?}");
+        return;
+    }
+    let out = run_child(FIBER_CHILD, 60);
+    assert_fiber_report(&out, "deep-diver");
+}
+
+const NESTED_CHILD: &str = "an_overflow_in_a_nested_fiber_names_the_inner_fiber";
+
+#[test]
+fn an_overflow_in_a_nested_fiber_names_the_inner_fiber() {
+    if is_child(NESTED_CHILD) {
+        no_core_dumps();
+        let outer = Fiber::new(FiberAttr::new().name("outer-fiber")).unwrap();
+        outer
+            .set_function(Priority::NORMAL, || {
+                overflowing_fiber("inner-diver").run().is_ok()
+            })
+            .unwrap();
+        let outcome = outer.run();
+        eprintln!("unexpectedly returned: {outcome:?}");
+        return;
+    }
+    let out = run_child(NESTED_CHILD, 60);
+    assert_fiber_report(&out, "inner-diver");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("outer-fiber"), "{}", describe(&out));
+}
+
+const FOREIGN_THREAD_CHILD: &str = "an_overflow_on_a_thread_without_an_alternate_signal_stack_is_reported";
+
+#[test]
+fn an_overflow_on_a_thread_without_an_alternate_signal_stack_is_reported() {
+    if is_child(FOREIGN_THREAD_CHILD) {
+        no_core_dumps();
+        // A thread started by the C library, not by Rust's std: it has no
+        // alternate signal stack until the fiber library gives it one.
+        extern "C" fn start(_: *mut libc::c_void) -> *mut libc::c_void {
+            let fiber = overflowing_fiber("foreign-diver");
+            let outcome = fiber.run();
+            eprintln!("unexpectedly returned: {outcome:?}");
+            std::ptr::null_mut()
+        }
+        // SAFETY: plain pthread calls with valid arguments; the thread is
+        // joined before returning.
+        unsafe {
+            let mut thread: libc::pthread_t = std::mem::zeroed();
+            let rc = libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut());
+            assert_eq!(rc, 0);
+            libc::pthread_join(thread, std::ptr::null_mut());
+        }
+        return;
+    }
+    let out = run_child(FOREIGN_THREAD_CHILD, 60);
+    assert_fiber_report(&out, "foreign-diver");
+}
+
+const THREAD_CHILD: &str = "a_thread_stack_overflow_still_gets_rusts_own_report";
+
+#[test]
+fn a_thread_stack_overflow_still_gets_rusts_own_report() {
+    if is_child(THREAD_CHILD) {
+        no_core_dumps();
+        // Install the fiber library's handler first.
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        let t = std::thread::Builder::new()
+            .name("deep-thread".into())
+            .stack_size(256 * 1024)
+            .spawn(|| recurse(0))
+            .unwrap();
+        let r = t.join();
+        eprintln!("unexpectedly returned: {r:?}");
+        return;
+    }
+    let out = run_child(THREAD_CHILD, 60);
+    let all = describe(&out);
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGABRT),
+        "the child must abort:\n{all}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Rust prints `thread 'name' has overflowed its stack`, recent versions
+    // with the thread's id after the name.
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("thread 'deep-thread'") && l.ends_with("has overflowed its stack")),
+        "Rust's report for threads is kept:\n{all}"
+    );
+    assert!(!stderr.contains("in a fiber"), "not mistaken for a fiber:\n{all}");
+}

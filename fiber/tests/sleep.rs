@@ -1,0 +1,260 @@
+//! The sleep/wake seam without a run queue: a fiber publishes a `Waiter`,
+//! sleeps, and becomes `Ready` again when the waiter is woken.
+
+mod common;
+
+use common::{with_watchdog, DropCounter};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use spindle_fiber::{
+    current, sleep, yield_now, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome, Schedule,
+    Waiter,
+};
+
+type Slot = Arc<Mutex<Option<Waiter>>>;
+
+/// A fiber function that publishes its waiter in `slot`, sleeps, and
+/// returns `value` once woken.
+fn sleeper(slot: Slot, value: u32) -> impl FnOnce() -> u32 + Send + 'static {
+    move || {
+        let w = Waiter::current().expect("a waiter inside a fiber");
+        assert_eq!(Some(w.id()), current().map(|c| c.id()));
+        *slot.lock().unwrap() = Some(w);
+        sleep();
+        value
+    }
+}
+
+fn take(slot: &Slot) -> Waiter {
+    slot.lock()
+        .unwrap()
+        .take()
+        .expect("the fiber published its waiter")
+}
+
+#[test]
+fn a_sleeping_fiber_is_woken_by_its_waiter() {
+    with_watchdog(30, "sleep_and_wake", || {
+        let slot: Slot = Arc::default();
+        let fiber = Fiber::new(FiberAttr::new().name("sleepy")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, sleeper(slot.clone(), 7))
+            .unwrap();
+
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        assert_eq!(fiber.state(), FiberState::Sleeping);
+        assert!(current().is_none());
+
+        // Asleep: running it is refused, and so is a new function.
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::Sleeping(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("asleep"), "{msg}");
+        assert!(
+            msg.contains("when woken"),
+            "message says what happens next: {msg}"
+        );
+        assert!(fiber.set_function(Priority::NORMAL, || 0).is_err());
+        assert_eq!(fiber.state(), FiberState::Sleeping);
+
+        let waiter = take(&slot);
+        assert_eq!(waiter.id(), fiber.id());
+        assert!(format!("{waiter:?}").contains("sleepy"), "{waiter:?}");
+        waiter.wake();
+        // No run queue: the fiber is simply runnable again.
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(7)));
+
+        let s = fiber.stats();
+        assert_eq!((s.runs, s.sleeps, s.yields), (2, 1, 0));
+    });
+}
+
+#[test]
+fn a_waiter_woken_from_another_thread() {
+    with_watchdog(30, "wake_from_other_thread", || {
+        let slot: Slot = Arc::default();
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, sleeper(slot.clone(), 9))
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        let waiter = take(&slot);
+        std::thread::spawn(move || waiter.wake()).join().unwrap();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        // A pinned fiber is still run on its own thread after the wake.
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(9)));
+    });
+}
+
+#[test]
+fn a_wake_before_the_fiber_switched_out_leaves_it_ready() {
+    with_watchdog(30, "wake_before_switch", || {
+        let fiber = Fiber::new(FiberAttr::new().name("early")).unwrap();
+        let me = fiber.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                // The wake lands while the fiber is still running.
+                Waiter::current().unwrap().wake();
+                let during = me.state();
+                sleep();
+                (during, "continued")
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        assert_eq!(
+            fiber.state(),
+            FiberState::Ready,
+            "already woken: runnable at once"
+        );
+        let (during, word) = fiber.run().unwrap().unwrap_returned();
+        assert_eq!(during, FiberState::RunningWoken);
+        assert_eq!(word, "continued");
+        assert_eq!(fiber.stats().sleeps, 1);
+    });
+}
+
+#[test]
+fn a_wake_followed_by_a_yield_instead_of_a_sleep_is_void() {
+    with_watchdog(30, "wake_then_yield", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                Waiter::current().unwrap().wake();
+                yield_now();
+                1
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+    });
+}
+
+#[test]
+fn sleeping_several_times() {
+    with_watchdog(30, "sleep_repeatedly", || {
+        let slot: Slot = Arc::default();
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let s = slot.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let mut n = 0;
+                for _ in 0..10 {
+                    *s.lock().unwrap() = Some(Waiter::current().unwrap());
+                    sleep();
+                    n += 1;
+                }
+                n
+            })
+            .unwrap();
+        for _ in 0..10 {
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+            assert_eq!(fiber.state(), FiberState::Sleeping);
+            take(&slot).wake();
+        }
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(10)));
+        assert_eq!(fiber.stats().sleeps, 10);
+    });
+}
+
+#[test]
+fn a_sleeping_fiber_whose_waiter_is_dropped_is_unwound_with_its_last_handle() {
+    with_watchdog(30, "drop_sleeper", || {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let slot: Slot = Arc::default();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let (d, s) = (drops.clone(), slot.clone());
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _g = DropCounter(d);
+                *s.lock().unwrap() = Some(Waiter::current().unwrap());
+                sleep();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        drop(fiber);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "the waiter keeps the fiber alive"
+        );
+        drop(take(&slot));
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the last reference unwound it");
+    });
+}
+
+#[test]
+fn outside_a_fiber_there_is_no_waiter_and_sleep_panics() {
+    assert!(Waiter::current().is_none());
+    let err = std::panic::catch_unwind(sleep).unwrap_err();
+    let msg = err.downcast_ref::<&str>().copied().unwrap_or_default();
+    assert!(msg.contains("outside a fiber"), "{msg:?}");
+}
+
+/// A run queue stand-in: collects the fibers a wake hands back.
+#[derive(Default)]
+struct Collect(Mutex<Vec<Fiber<u32>>>);
+
+impl Schedule<u32> for Collect {
+    fn schedule(&self, fiber: Fiber<u32>) {
+        assert_eq!(fiber.state(), FiberState::Queued);
+        self.0.lock().unwrap().push(fiber);
+    }
+}
+
+#[test]
+fn a_woken_fiber_goes_back_to_the_scheduler_it_was_queued_on() {
+    with_watchdog(30, "wake_to_home", || {
+        let home = Arc::new(Collect::default());
+        let home_dyn: Arc<dyn Schedule<u32>> = home.clone();
+        let slot: Slot = Arc::default();
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, sleeper(slot.clone(), 3))
+            .unwrap();
+        fiber.mark_queued(Some(&home_dyn)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        assert!(home.0.lock().unwrap().is_empty());
+
+        take(&slot).wake();
+        let woken = home
+            .0
+            .lock()
+            .unwrap()
+            .pop()
+            .expect("the wake scheduled the fiber");
+        assert!(Fiber::ptr_eq(&woken, &fiber));
+        assert_eq!(fiber.state(), FiberState::Queued);
+        woken.mark_dequeued().unwrap();
+        assert!(matches!(woken.run().unwrap(), RunOutcome::Returned(3)));
+    });
+}
+
+#[test]
+fn an_early_wake_with_a_home_schedules_the_fiber_at_once() {
+    with_watchdog(30, "early_wake_to_home", || {
+        let home = Arc::new(Collect::default());
+        let home_dyn: Arc<dyn Schedule<u32>> = home.clone();
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                Waiter::current().unwrap().wake();
+                sleep();
+                4
+            })
+            .unwrap();
+        fiber.mark_queued(Some(&home_dyn)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        assert_eq!(fiber.state(), FiberState::Queued);
+        let woken = home.0.lock().unwrap().pop().expect("scheduled by the runner");
+        woken.mark_dequeued().unwrap();
+        assert!(matches!(woken.run().unwrap(), RunOutcome::Returned(4)));
+    });
+}
