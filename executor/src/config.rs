@@ -1,0 +1,144 @@
+//! Executor configuration and its builder.
+
+use std::time::Duration;
+
+/// Resolved settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) base_workers: usize,
+    pub(crate) max_workers: usize,
+    pub(crate) stack_size: usize,
+    pub(crate) sysmon_interval: Duration,
+    pub(crate) stuck_threshold: Duration,
+    pub(crate) time_slice: Duration,
+    pub(crate) idle_retire: Duration,
+    pub(crate) on_deadlock: OnDeadlock,
+    pub(crate) stats_at_shutdown: bool,
+}
+
+/// What deadlock detection does once it has printed its report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDeadlock {
+    /// Fail the blocked joins with [`JoinError::Deadlock`](crate::JoinError::Deadlock).
+    FailJoin,
+    /// Abort the process.
+    Abort,
+}
+
+/// Builds an [`Executor`](crate::Executor).
+///
+/// ```
+/// use std::time::Duration;
+/// use spindle_executor::Executor;
+///
+/// let exec = Executor::builder()
+///     .workers(2)
+///     .max_workers(4)
+///     .time_slice(Duration::from_millis(5))
+///     .build();
+/// assert_eq!(exec.block_on(|| 6 * 7).unwrap(), 42);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Builder {
+    workers: Option<usize>,
+    max_workers: Option<usize>,
+    stack_size: usize,
+    sysmon_interval: Duration,
+    stuck_threshold: Duration,
+    time_slice: Duration,
+    idle_retire: Duration,
+    on_deadlock: OnDeadlock,
+}
+
+impl Default for Builder {
+    fn default() -> Builder {
+        Builder {
+            workers: None,
+            max_workers: None,
+            stack_size: spindle_fiber::DEFAULT_STACK_SIZE,
+            sysmon_interval: Duration::from_micros(250),
+            stuck_threshold: Duration::from_micros(250),
+            time_slice: Duration::from_millis(10),
+            idle_retire: Duration::from_millis(100),
+            on_deadlock: OnDeadlock::FailJoin,
+        }
+    }
+}
+
+impl Builder {
+    /// Initial (base) number of workers. Default: `SPINDLE_WORKERS` if set,
+    /// else the number of available cores.
+    pub fn workers(mut self, n: usize) -> Builder {
+        self.workers = Some(n.max(1));
+        self
+    }
+
+    /// Most workers auto-scaling may add up to. Default: twice the cores
+    /// (at least the base count).
+    pub fn max_workers(mut self, n: usize) -> Builder {
+        self.max_workers = Some(n.max(1));
+        self
+    }
+
+    /// Usable stack size of spawned fibers (default 128 KiB).
+    pub fn stack_size(mut self, bytes: usize) -> Builder {
+        self.stack_size = bytes;
+        self
+    }
+
+    /// How often sysmon looks at the workers (default 250 µs).
+    pub fn sysmon_interval(mut self, d: Duration) -> Builder {
+        self.sysmon_interval = d;
+        self
+    }
+
+    /// How long a worker may go without a heartbeat while work is pending
+    /// before sysmon adds workers (default 250 µs).
+    pub fn stuck_threshold(mut self, d: Duration) -> Builder {
+        self.stuck_threshold = d;
+        self
+    }
+
+    /// How long a fiber may run before `yield_if_needed` yields (default 10 ms).
+    pub fn time_slice(mut self, d: Duration) -> Builder {
+        self.time_slice = d;
+        self
+    }
+
+    /// How long an extra worker stays idle before it retires (default 100 ms).
+    pub fn idle_retire(mut self, d: Duration) -> Builder {
+        self.idle_retire = d;
+        self
+    }
+
+    /// What deadlock detection does (default: fail the join).
+    pub fn on_deadlock(mut self, action: OnDeadlock) -> Builder {
+        self.on_deadlock = action;
+        self
+    }
+
+    /// Starts the executor.
+    pub fn build(self) -> crate::Executor {
+        crate::Executor::start(self.resolve())
+    }
+
+    fn resolve(self) -> Config {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let env_workers = std::env::var("SPINDLE_WORKERS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok());
+        let base = self.workers.or(env_workers).unwrap_or(cores).max(1);
+        let max = self.max_workers.unwrap_or(2 * cores).max(base);
+        Config {
+            base_workers: base,
+            max_workers: max,
+            stack_size: self.stack_size,
+            sysmon_interval: self.sysmon_interval,
+            stuck_threshold: self.stuck_threshold,
+            time_slice: self.time_slice,
+            idle_retire: self.idle_retire,
+            on_deadlock: self.on_deadlock,
+            stats_at_shutdown: std::env::var("SPINDLE_STATS").is_ok_and(|v| v == "1"),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Functions a fiber calls on its executor.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use spindle_fiber::WaitReason;
+
+use crate::executor::{Handle, JoinHandle};
+use crate::task::{Cancelled, TaskHead, TaskRef};
+use crate::worker::current_worker;
+
+static SLEEPING: WaitReason = WaitReason("a timer (sleep)");
+static YIELD_TIMEOUT: WaitReason = WaitReason("a wakeup or timer (yield_timeout)");
+
+/// The executor task of the calling fiber, if it is one (and not a fiber
+/// nested inside one).
+pub(crate) fn current_task() -> Option<(usize, &'static crate::worker::WorkerCtx)> {
+    let w = current_worker()?;
+    let me = spindle_fiber::current()?.id().as_u64();
+    let ws = w.me();
+    if ws.running_fiber.load(Ordering::Relaxed) != me {
+        return None;
+    }
+    let raw = ws.running_task.load(Ordering::Relaxed);
+    (raw != 0).then_some((raw, w))
+}
+
+fn task_head(raw: usize) -> &'static TaskHead {
+    // SAFETY: `raw` is the running fiber's TaskRef, held in its sched word
+    // until the fiber finishes, which is after any call made from it.
+    unsafe { TaskRef::borrow_raw(raw) }
+}
+
+/// Unwinds the calling fiber if its task was cancelled.
+fn check_cancel() {
+    if let Some((raw, _)) = current_task() {
+        if task_head(raw).cancelled.load(Ordering::Acquire) {
+            std::panic::resume_unwind(Box::new(Cancelled));
+        }
+    }
+}
+
+/// Spawns a fiber on the executor of the calling fiber.
+///
+/// # Panics
+/// Outside an executor's fiber; use [`Executor::spawn`](crate::Executor::spawn)
+/// or a [`Handle`] there.
+pub fn spawn<F, T>(f: F) -> JoinHandle<T>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    Handle::current()
+        .expect("spindle_executor::spawn called outside an executor's fiber")
+        .spawn(f)
+}
+
+/// Lets other fibers run; the caller goes to the back of its worker's
+/// queue for its priority class. On an ordinary thread, yields the thread.
+/// A cancelled fiber unwinds here.
+pub fn yield_now() {
+    check_cancel();
+    spindle_fiber::yield_now();
+    check_cancel();
+}
+
+/// Yields if the calling fiber has run past its time slice (10 ms by
+/// default, flagged by sysmon). Costs a thread-local read and a relaxed
+/// load otherwise: call it in long loops.
+pub fn yield_if_needed() {
+    if let Some(w) = current_worker() {
+        if w.me().preempt.swap(false, Ordering::Relaxed) {
+            yield_now();
+        }
+    }
+}
+
+/// Puts the calling fiber to sleep for `d` (a thread sleeps). Timers have
+/// the resolution of the sysmon interval (250 µs by default).
+#[track_caller]
+pub fn sleep(d: Duration) {
+    if timed_wait(d, &SLEEPING).is_none() {
+        std::thread::sleep(d);
+    }
+}
+
+/// Sleeps until woken by [`JoinHandle::wake`] or until `d` passes
+/// (Tarantool's `fiber_yield_timeout`). Returns `true` if the time ran out.
+/// On an ordinary thread, sleeps for `d` and returns `true`.
+#[track_caller]
+pub fn yield_timeout(d: Duration) -> bool {
+    match timed_wait(d, &YIELD_TIMEOUT) {
+        Some(timed_out) => timed_out,
+        None => {
+            std::thread::sleep(d);
+            true
+        }
+    }
+}
+
+/// Sleeps in the task's sleep slot until the timer or a wake takes the
+/// waiter. `None` outside an executor fiber.
+#[track_caller]
+fn timed_wait(d: Duration, reason: &'static WaitReason) -> Option<bool> {
+    let (raw, w) = current_task()?;
+    check_cancel();
+    let task = task_head(raw);
+    let deadline = Instant::now() + d;
+    let generation = {
+        let mut slot = task.sleep.lock();
+        slot.generation += 1;
+        slot.timed_out = false;
+        slot.waiter = spindle_fiber::Waiter::current();
+        slot.generation
+    };
+    // SAFETY: the fiber's sched word holds the reference (see task_head).
+    let task_ref = unsafe { TaskRef::clone_raw(raw) };
+    w.shared.timers.add(deadline, generation, task_ref);
+    w.shared.sysmon_unparker.unpark();
+    // A cancel between publishing the waiter and here wakes us at once.
+    if task.cancelled.load(Ordering::Acquire) {
+        if let Some(waiter) = task.sleep.lock().waiter.take() {
+            waiter.wake();
+        }
+    }
+    spindle_fiber::sleep_on(reason);
+    let timed_out = task.sleep.lock().timed_out;
+    check_cancel();
+    Some(timed_out)
+}

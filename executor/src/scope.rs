@@ -1,0 +1,159 @@
+//! Structured concurrency: fibers that may borrow from the caller because
+//! they are all joined before the scope returns.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use spindle_sync::Semaphore;
+
+use crate::executor::{Handle, JoinHandle, SpawnOptions};
+use crate::task::{JoinError, TaskCell};
+
+/// A scope to spawn borrowing fibers in; see [`Executor::scope`](crate::Executor::scope).
+///
+/// ```
+/// use spindle_executor::Executor;
+///
+/// let exec = Executor::builder().workers(2).build();
+/// let data = vec![1, 2, 3, 4];
+/// let mut total = 0;
+/// exec.scope(|s| {
+///     let halves: Vec<_> = data.chunks(2).map(|c| s.spawn(move || c.iter().sum::<i32>())).collect();
+///     total = halves.into_iter().map(|h| h.join().unwrap()).sum();
+/// });
+/// assert_eq!(total, 10);
+/// ```
+pub struct Scope<'scope, 'env: 'scope> {
+    handle: Handle,
+    state: Arc<ScopeState>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+struct ScopeState {
+    /// Fibers spawned in the scope and not yet done.
+    pending: AtomicUsize,
+    /// Released once per finished fiber.
+    done: Semaphore,
+    /// A scoped fiber unwound (panic or cancellation) without being joined.
+    unwound: AtomicBool,
+}
+
+/// Decrements the scope's count when the fiber's closure is gone (run,
+/// unwound, or dropped without running).
+struct Finish(Arc<ScopeState>);
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.unwound.store(true, Ordering::Relaxed);
+        }
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+        self.0.done.release(1);
+    }
+}
+
+/// A join handle of a scoped fiber.
+pub struct ScopedJoinHandle<'scope, T> {
+    inner: JoinHandle<T>,
+    _scope: PhantomData<&'scope ()>,
+}
+
+impl<T: Send + 'static> ScopedJoinHandle<'_, T> {
+    /// Waits for the fiber; see [`JoinHandle::join`].
+    #[track_caller]
+    pub fn join(self) -> Result<T, JoinError> {
+        self.inner.join()
+    }
+
+    /// Whether the fiber has completed.
+    pub fn is_finished(&self) -> bool {
+        self.inner.is_finished()
+    }
+}
+
+impl<'scope> Scope<'scope, '_> {
+    /// Spawns a fiber that may borrow anything that outlives the scope.
+    pub fn spawn<F, T>(&'scope self, f: F) -> ScopedJoinHandle<'scope, T>
+    where
+        F: FnOnce() -> T + Send + 'scope,
+        T: Send + 'static,
+    {
+        self.spawn_with(SpawnOptions::default(), f)
+    }
+
+    /// Like [`spawn`](Scope::spawn), with a name and priority.
+    pub fn spawn_with<F, T>(&'scope self, options: SpawnOptions, f: F) -> ScopedJoinHandle<'scope, T>
+    where
+        F: FnOnce() -> T + Send + 'scope,
+        T: Send + 'static,
+    {
+        self.state.pending.fetch_add(1, Ordering::AcqRel);
+        let finish = Finish(Arc::clone(&self.state));
+        let cell = TaskCell::<T>::new(options.name.clone());
+        let slot = Arc::clone(&cell);
+        let run: Box<dyn FnOnce() + Send + 'scope> = Box::new(move || {
+            let _finish = finish;
+            let value = f();
+            *slot.result.lock() = Some(value);
+        });
+        // SAFETY: the closure may borrow data of lifetime 'scope. `scope`
+        // does not return (nor unwind past its frame) before `pending` is
+        // zero, i.e. before every such closure has been run or dropped
+        // (`Finish` is dropped with the closure in every case). So the
+        // borrows outlive every use, as with std::thread::scope.
+        let run: Box<dyn FnOnce() + Send + 'static> = unsafe { std::mem::transmute(run) };
+        self.handle
+            .push(run, TaskCell::erase(&cell), options_priority(&options));
+        ScopedJoinHandle {
+            inner: JoinHandle::from_parts(cell, Arc::clone(&self.handle.shared)),
+            _scope: PhantomData,
+        }
+    }
+}
+
+fn options_priority(o: &SpawnOptions) -> spindle_fiber::Priority {
+    o.priority_value()
+}
+
+pub(crate) fn scope<'env, F, R>(handle: &Handle, f: F) -> R
+where
+    F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> R,
+{
+    let scope = Scope {
+        handle: handle.clone(),
+        state: Arc::new(ScopeState {
+            pending: AtomicUsize::new(0),
+            done: Semaphore::new(0),
+            unwound: AtomicBool::new(false),
+        }),
+        _scope: PhantomData,
+        _env: PhantomData,
+    };
+    // Waits for every scoped fiber, even if `f` panics.
+    struct WaitAll<'a>(&'a ScopeState);
+    impl Drop for WaitAll<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                // Unwinding (perhaps a fiber being force-unwound, which may
+                // not suspend): block the thread, never the fiber.
+                while self.0.pending.load(Ordering::Acquire) > 0 {
+                    std::thread::yield_now();
+                }
+            } else {
+                while self.0.pending.load(Ordering::Acquire) > 0 {
+                    self.0.done.acquire();
+                }
+            }
+        }
+    }
+    let result = {
+        let _wait = WaitAll(&scope.state);
+        f(&scope)
+    };
+    if scope.state.unwound.load(Ordering::Relaxed) {
+        panic!("a fiber spawned in a spindle-executor scope panicked or was cancelled");
+    }
+    result
+}

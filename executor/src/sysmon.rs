@@ -1,0 +1,172 @@
+//! The monitor thread: fires timers, watches worker heartbeats, scales the
+//! pool up when a worker is stuck while work is pending, flags fibers that
+//! overran their time slice, and detects deadlocks.
+//!
+//! Every `sysmon_interval` (250 µs by default) while anything is going on;
+//! when every worker is parked and no timer is pending it sleeps longer
+//! (until woken by a spawn from outside, a timer registration, or shutdown).
+
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::sync::Parker;
+
+use crate::config::OnDeadlock;
+use crate::shared::Shared;
+use crate::task::JoinError;
+
+/// Longest sysmon sleep while everything is idle.
+const IDLE_NAP: Duration = Duration::from_millis(10);
+
+struct Watch {
+    beat: u64,
+    since: Instant,
+}
+
+pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
+    let mut watch: Vec<Watch> = shared
+        .workers
+        .iter()
+        .map(|_| Watch {
+            beat: 0,
+            since: Instant::now(),
+        })
+        .collect();
+    let mut last_scale = Instant::now();
+    let mut deadlock_suspect: Option<u64> = None;
+    while !shared.shutdown.load(Ordering::Acquire) {
+        let now = Instant::now();
+        shared.timers.fire_due(now);
+
+        let mut stuck = false;
+        let mut all_parked = true;
+        let mut beats = 0u64;
+        for (w, seen) in shared.workers.iter().zip(watch.iter_mut()) {
+            if !w.started.load(Ordering::Acquire) {
+                continue;
+            }
+            let beat = w.heartbeat.load(Ordering::Relaxed);
+            beats = beats.wrapping_add(beat);
+            let parked = w.parked.load(Ordering::SeqCst);
+            all_parked &= parked;
+            if beat != seen.beat || parked {
+                seen.beat = beat;
+                seen.since = now;
+                continue;
+            }
+            let stalled = now - seen.since;
+            if stalled >= shared.config.time_slice && !w.preempt.swap(true, Ordering::Relaxed) {
+                crate::trace_event!(worker = w.index, "time slice overrun");
+            }
+            if stalled >= shared.config.stuck_threshold {
+                stuck = true;
+            }
+        }
+
+        if stuck && now - last_scale >= shared.config.stuck_threshold && shared.pending_work() {
+            scale_up(&shared);
+            last_scale = now;
+        }
+
+        // Deadlock: a thread is blocked in join, every worker is parked,
+        // nothing is queued, no timer is pending, and tasks remain. Two
+        // consecutive looks with no heartbeat in between confirm it.
+        let candidate = all_parked
+            && !shared.blocked_joiners.lock().is_empty()
+            && !shared.pending_work()
+            && shared.timers.is_empty()
+            && shared.live.load(Ordering::Acquire) > 0;
+        if candidate {
+            match deadlock_suspect {
+                Some(b) if b == beats => {
+                    report_deadlock(&shared);
+                    deadlock_suspect = None;
+                }
+                _ => deadlock_suspect = Some(beats),
+            }
+        } else {
+            deadlock_suspect = None;
+        }
+
+        let nap = if all_parked && deadlock_suspect.is_none() {
+            IDLE_NAP
+        } else {
+            shared.config.sysmon_interval
+        };
+        let nap = match shared.timers.next_deadline() {
+            Some(d) => nap.min(d.saturating_duration_since(Instant::now())),
+            None => nap,
+        };
+        parker.park_timeout(nap);
+    }
+}
+
+/// Adds 50% more workers (at least one), up to the maximum.
+pub(crate) fn scale_up(shared: &Arc<Shared>) {
+    let max = shared.config.max_workers;
+    let cur = shared.active.load(Ordering::Acquire);
+    if cur >= max {
+        return;
+    }
+    let target = (cur + (cur / 2).max(1)).min(max);
+    for i in cur..target {
+        activate(shared, i);
+    }
+    shared.active.store(target, Ordering::Release);
+    shared.note_workers();
+    shared.stats.scale_ups.fetch_add(1, Ordering::Relaxed);
+    crate::trace_event!(from = cur, to = target, "scale up");
+}
+
+/// Makes worker `i` active, starting its thread the first time.
+pub(crate) fn activate(shared: &Arc<Shared>, i: usize) {
+    let w = &shared.workers[i];
+    w.active.store(true, Ordering::Release);
+    if !w.started.swap(true, Ordering::AcqRel) {
+        let s = Arc::clone(shared);
+        let handle = std::thread::Builder::new()
+            .name(format!("spindle-worker-{i}"))
+            .spawn(move || crate::worker::run(s, i))
+            .expect("spawning a worker thread");
+        shared.threads.lock().push(handle);
+    } else {
+        w.notify();
+    }
+}
+
+fn report_deadlock(shared: &Shared) {
+    let mut report = String::new();
+    for w in shared.workers.iter() {
+        for fiber in w.sleeping.lock().values() {
+            let who = match fiber.name() {
+                Some(n) => format!("fiber '{n}' ({})", fiber.id()),
+                None => format!("fiber {}", fiber.id()),
+            };
+            match fiber.wait_site() {
+                Some((what, loc)) => {
+                    let _ = writeln!(report, "  {who} waits on {what} at {loc}");
+                }
+                None => {
+                    let _ = writeln!(report, "  {who} sleeps");
+                }
+            }
+        }
+    }
+    if report.is_empty() {
+        report.push_str("  (no sleeping fiber found: they wait on primitives outside this executor)\n");
+    }
+    shared.stats.deadlocks.fetch_add(1, Ordering::Relaxed);
+    eprintln!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
+    if shared.config.on_deadlock == OnDeadlock::Abort {
+        std::process::abort();
+    }
+    let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
+    for task in joiners {
+        *task.error.lock() = Some(JoinError::Deadlock {
+            report: report.clone(),
+        });
+        task.done.release(1);
+    }
+}

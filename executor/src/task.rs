@@ -1,0 +1,274 @@
+//! Per-task records: the join slot, cancellation, the executor-level sleep
+//! slot. One allocation per task, type-erased for the queues the same way
+//! fibers are (a `repr(C)` head plus a vtable).
+
+use std::any::Any;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+use spindle_fiber::{FiberId, Waiter};
+use spindle_sync::Semaphore;
+
+/// Why [`JoinHandle::join`] did not return the fiber's value.
+pub enum JoinError {
+    /// The fiber panicked.
+    Panicked {
+        /// The fiber.
+        fiber: FiberId,
+        /// Its name, if any.
+        name: Option<Arc<str>>,
+        /// The panic payload.
+        payload: Box<dyn Any + Send>,
+    },
+    /// The fiber was cancelled ([`JoinHandle::cancel`] or executor shutdown)
+    /// and unwound.
+    Cancelled {
+        /// The fiber, if it had started.
+        fiber: Option<FiberId>,
+        /// Its name, if any.
+        name: Option<Arc<str>>,
+    },
+    /// The joiner would wait forever: nothing is runnable, no timer is
+    /// pending, and the remaining fibers all sleep. The report lists them.
+    Deadlock {
+        /// Every sleeping fiber, what it waits on and where.
+        report: String,
+    },
+}
+
+impl JoinError {
+    /// The panic message, if this is a panic with a string payload.
+    pub fn panic_message(&self) -> Option<&str> {
+        match self {
+            JoinError::Panicked { payload, .. } => payload
+                .downcast_ref::<&'static str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str)),
+            _ => None,
+        }
+    }
+
+    /// Whether the fiber was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, JoinError::Cancelled { .. })
+    }
+
+    /// Whether the join was failed by deadlock detection.
+    pub fn is_deadlock(&self) -> bool {
+        matches!(self, JoinError::Deadlock { .. })
+    }
+}
+
+fn describe(fiber: Option<&FiberId>, name: &Option<Arc<str>>) -> String {
+    match (name, fiber) {
+        (Some(n), Some(id)) => format!("fiber '{n}' ({id})"),
+        (Some(n), None) => format!("fiber '{n}' (not started)"),
+        (None, Some(id)) => format!("fiber {id}"),
+        (None, None) => "a fiber that had not started".to_owned(),
+    }
+}
+
+impl fmt::Display for JoinError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JoinError::Panicked { fiber, name, .. } => {
+                write!(f, "{} panicked", describe(Some(fiber), name))?;
+                if let Some(m) = self.panic_message() {
+                    write!(f, ": {m}")?;
+                }
+                Ok(())
+            }
+            JoinError::Cancelled { fiber, name } => {
+                write!(
+                    f,
+                    "{} was cancelled before it finished",
+                    describe(fiber.as_ref(), name)
+                )
+            }
+            JoinError::Deadlock { report } => write!(
+                f,
+                "deadlock: the joined fiber can never finish (nothing runnable, no timer pending); \
+                 sleeping fibers:\n{report}"
+            ),
+        }
+    }
+}
+
+impl fmt::Debug for JoinError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for JoinError {}
+
+/// The payload a cancelled fiber unwinds with.
+pub(crate) struct Cancelled;
+
+/// Executor-level sleep: whoever takes the waiter (the timer or a wake)
+/// wakes the fiber.
+#[derive(Default)]
+pub(crate) struct SleepSlot {
+    pub(crate) waiter: Option<Waiter>,
+    pub(crate) timed_out: bool,
+    /// Incremented per sleep; a timer fires only the sleep it was set for.
+    pub(crate) generation: u64,
+}
+
+struct TaskVTable {
+    retain: unsafe fn(NonNull<TaskHead>),
+    release: unsafe fn(NonNull<TaskHead>),
+}
+
+/// The erased head of every task.
+pub(crate) struct TaskHead {
+    vtable: &'static TaskVTable,
+    /// The fiber the task runs on, once started.
+    pub(crate) started_fiber: OnceLock<FiberId>,
+    pub(crate) name: Option<Arc<str>>,
+    /// Set by `cancel`; read by workers before running and by the fiber at
+    /// executor suspension points.
+    pub(crate) cancelled: AtomicBool,
+    /// Set once when the task is complete (value or error stored).
+    pub(crate) finished: AtomicBool,
+    /// Released once on completion, and by deadlock detection.
+    pub(crate) done: Semaphore,
+    pub(crate) error: Mutex<Option<JoinError>>,
+    pub(crate) sleep: Mutex<SleepSlot>,
+}
+
+#[repr(C)]
+pub(crate) struct TaskCell<T> {
+    head: TaskHead,
+    pub(crate) result: Mutex<Option<T>>,
+}
+
+impl<T> std::ops::Deref for TaskCell<T> {
+    type Target = TaskHead;
+    fn deref(&self) -> &TaskHead {
+        &self.head
+    }
+}
+
+impl<T: Send + 'static> TaskCell<T> {
+    const VTABLE: TaskVTable = TaskVTable {
+        retain: Self::retain,
+        release: Self::release,
+    };
+
+    pub(crate) fn new(name: Option<Arc<str>>) -> Arc<TaskCell<T>> {
+        Arc::new(TaskCell {
+            head: TaskHead {
+                vtable: &Self::VTABLE,
+                started_fiber: OnceLock::new(),
+                name,
+                cancelled: AtomicBool::new(false),
+                finished: AtomicBool::new(false),
+                done: Semaphore::new(0),
+                error: Mutex::new(None),
+                sleep: Mutex::new(SleepSlot::default()),
+            },
+            result: Mutex::new(None),
+        })
+    }
+
+    pub(crate) fn erase(this: &Arc<TaskCell<T>>) -> TaskRef {
+        let raw = Arc::into_raw(Arc::clone(this));
+        // SAFETY: Arc::into_raw is never null; the head is the first field.
+        TaskRef(
+            unsafe { NonNull::new_unchecked(raw as *mut TaskHead) },
+            PhantomData,
+        )
+    }
+
+    unsafe fn retain(h: NonNull<TaskHead>) {
+        // SAFETY: h is the head of a live Arc<TaskCell<T>>.
+        unsafe { Arc::increment_strong_count(h.as_ptr() as *const TaskCell<T>) }
+    }
+
+    unsafe fn release(h: NonNull<TaskHead>) {
+        // SAFETY: the caller owns one strong reference.
+        unsafe { drop(Arc::from_raw(h.as_ptr() as *const TaskCell<T>)) }
+    }
+}
+
+/// A counted, type-erased reference to a task.
+pub(crate) struct TaskRef(NonNull<TaskHead>, PhantomData<TaskHead>);
+
+// SAFETY: TaskHead's fields are Sync (atomics, mutexes, a semaphore); the
+// typed part is only touched through the JoinHandle<T> and the fiber.
+unsafe impl Send for TaskRef {}
+// SAFETY: as above.
+unsafe impl Sync for TaskRef {}
+
+impl TaskRef {
+    /// The raw pointer, keeping the reference (for a fiber's sched word).
+    pub(crate) fn into_raw(self) -> usize {
+        let p = self.0.as_ptr() as usize;
+        std::mem::forget(self);
+        p
+    }
+
+    /// # Safety
+    /// `raw` came from `into_raw` and is consumed.
+    pub(crate) unsafe fn from_raw(raw: usize) -> TaskRef {
+        // SAFETY: the caller's contract.
+        TaskRef(
+            unsafe { NonNull::new_unchecked(raw as *mut TaskHead) },
+            PhantomData,
+        )
+    }
+
+    /// A new counted reference from a raw one that stays held elsewhere.
+    ///
+    /// # Safety
+    /// `raw` came from `into_raw` and its reference is still held.
+    pub(crate) unsafe fn clone_raw(raw: usize) -> TaskRef {
+        // SAFETY: the caller's contract; the original stays owned elsewhere.
+        let borrowed = std::mem::ManuallyDrop::new(unsafe { TaskRef::from_raw(raw) });
+        TaskRef::clone(&borrowed)
+    }
+
+    /// # Safety
+    /// `raw` came from `into_raw` and its reference is still held elsewhere.
+    pub(crate) unsafe fn borrow_raw<'a>(raw: usize) -> &'a TaskHead {
+        // SAFETY: the caller's contract.
+        unsafe { &*(raw as *const TaskHead) }
+    }
+
+    /// Stores the outcome and wakes the joiner.
+    pub(crate) fn complete(&self, error: Option<JoinError>) {
+        if let Some(e) = error {
+            *self.error.lock() = Some(e);
+        }
+        self.finished.store(true, Ordering::Release);
+        self.done.release(1);
+    }
+}
+
+impl Clone for TaskRef {
+    fn clone(&self) -> TaskRef {
+        // SAFETY: we own a strong reference.
+        unsafe { (self.vtable.retain)(self.0) };
+        TaskRef(self.0, PhantomData)
+    }
+}
+
+impl Drop for TaskRef {
+    fn drop(&mut self) {
+        // SAFETY: we own a strong reference.
+        unsafe { (self.vtable.release)(self.0) }
+    }
+}
+
+impl std::ops::Deref for TaskRef {
+    type Target = TaskHead;
+    fn deref(&self) -> &TaskHead {
+        // SAFETY: we own a strong reference.
+        unsafe { self.0.as_ref() }
+    }
+}

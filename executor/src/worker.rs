@@ -1,0 +1,384 @@
+//! The worker loop.
+//!
+//! Each round: take the next fiber, strictly by priority class (high, then
+//! normal, then low), and within a class alternate between fibers that
+//! already ran (yielded, or woken into the inbox) and fresh jobs (own queue,
+//! then the global queue, then stealing from other workers), so that
+//! neither starves the other. Nothing to do: search (spin) briefly, then
+//! park (the protocol is in `shared.rs`).
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crossbeam_utils::sync::Parker;
+use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
+
+use crate::shared::{class_of, steal_one, Job, Shared, Task, WorkerShared, CLASSES};
+use crate::task::{Cancelled, JoinError, TaskRef};
+
+/// Rounds of polling before a worker parks.
+const SEARCH_ROUNDS: u32 = 32;
+/// Finished, unnamed fibers a worker keeps to start the next jobs on.
+const FIBER_CACHE: usize = 32;
+
+thread_local! {
+    /// The worker running on this thread (null elsewhere).
+    static CURRENT: Cell<*const WorkerCtx> = const { Cell::new(std::ptr::null()) };
+}
+
+/// What a fiber can reach of its worker.
+pub(crate) struct WorkerCtx {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) index: usize,
+}
+
+impl WorkerCtx {
+    pub(crate) fn me(&self) -> &WorkerShared {
+        &self.shared.workers[self.index]
+    }
+}
+
+/// The worker of the calling thread. Not inlined and never held across a
+/// suspension, so a fiber always reads its current thread's slot (see
+/// spindle-fiber's notes on llvm/llvm-project#98479).
+#[inline(never)]
+pub(crate) fn current_worker() -> Option<&'static WorkerCtx> {
+    // SAFETY: the pointer is set for the lifetime of the worker thread's
+    // loop, and the context outlives every fiber run on it.
+    CURRENT.with(|c| unsafe { c.get().as_ref() })
+}
+
+struct Worker {
+    ctx: Box<WorkerCtx>,
+    /// Started fibers that are runnable, by class (owned by this thread).
+    resumed: [VecDeque<Task>; CLASSES],
+    cache: Vec<Task>,
+    tick: u64,
+    rng: u64,
+}
+
+pub(crate) fn run(shared: Arc<Shared>, index: usize) {
+    let parker = shared.workers[index]
+        .parker
+        .lock()
+        .take()
+        .expect("a worker starts once");
+    let mut w = Worker {
+        ctx: Box::new(WorkerCtx { shared, index }),
+        resumed: Default::default(),
+        cache: Vec::with_capacity(FIBER_CACHE),
+        tick: 0,
+        rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
+    };
+    CURRENT.with(|c| c.set(&*w.ctx));
+    w.main_loop(&parker);
+    w.drain();
+    CURRENT.with(|c| c.set(std::ptr::null()));
+}
+
+enum Next {
+    Resumed(Task),
+    Fresh(Job),
+}
+
+impl Worker {
+    fn shared(&self) -> &Shared {
+        &self.ctx.shared
+    }
+
+    fn me(&self) -> &WorkerShared {
+        self.ctx.me()
+    }
+
+    fn main_loop(&mut self, parker: &Parker) {
+        loop {
+            if self.shared().shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            // Heartbeat: one relaxed store per scheduling round, read by
+            // sysmon to spot a worker stuck in one fiber.
+            let me = self.me();
+            me.heartbeat
+                .store(me.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            match self.next() {
+                Some(n) => self.run_one(n),
+                None => self.idle(parker),
+            }
+        }
+    }
+
+    fn next(&mut self) -> Option<Next> {
+        self.tick += 1;
+        self.drain_inbox();
+        let active = self.me().active.load(Ordering::Relaxed);
+        let fresh_first = self.tick % 2 == 0;
+        for class in 0..CLASSES {
+            if !fresh_first {
+                if let Some(t) = self.resumed[class].pop_front() {
+                    return Some(Next::Resumed(t));
+                }
+            }
+            if let Some(j) = steal_one(&self.me().fresh[class]) {
+                return Some(Next::Fresh(j));
+            }
+            if active {
+                if let Some(j) = steal_one(&self.shared().global[class]) {
+                    return Some(Next::Fresh(j));
+                }
+            }
+            if let Some(t) = self.resumed[class].pop_front() {
+                return Some(Next::Resumed(t));
+            }
+            if active {
+                self.rng ^= self.rng << 13;
+                self.rng ^= self.rng >> 7;
+                self.rng ^= self.rng << 17;
+                let start = self.rng as usize;
+                if let Some(j) = self.shared().steal(self.ctx.index, class, start) {
+                    return Some(Next::Fresh(j));
+                }
+            }
+        }
+        None
+    }
+
+    /// Moves woken fibers from the inbox into `resumed`.
+    fn drain_inbox(&mut self) {
+        let me = self.ctx.me();
+        if me.inbox_len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        // Lock order: inbox, then sleeping (nowhere the other way round).
+        let mut inbox = me.inbox.lock();
+        let mut sleeping = me.sleeping.lock();
+        let mut moved = 0;
+        for class in 0..CLASSES {
+            while let Some(t) = inbox.q[class].pop_front() {
+                t.mark_dequeued().expect("a fiber in an inbox is Queued");
+                sleeping.remove(&t.id());
+                self.resumed[class].push_back(t);
+                moved += 1;
+            }
+        }
+        drop(sleeping);
+        drop(inbox);
+        me.inbox_len.fetch_sub(moved, Ordering::AcqRel);
+    }
+
+    fn run_one(&mut self, next: Next) {
+        let fiber = match next {
+            Next::Resumed(t) => t,
+            Next::Fresh(job) => match self.start(job) {
+                Some(f) => f,
+                None => return,
+            },
+        };
+        // SAFETY: a started fiber's sched word holds a TaskRef until finish.
+        let task = unsafe { TaskRef::borrow_raw(fiber.sched_data()) };
+        if task.cancelled.load(Ordering::Acquire) {
+            // Dropping the last handle unwinds the suspended stack here, on
+            // the fiber's own thread.
+            let task = take_task(&fiber);
+            let err = JoinError::Cancelled {
+                fiber: Some(fiber.id()),
+                name: task.name.clone(),
+            };
+            drop(fiber);
+            self.complete(task, Some(err));
+            return;
+        }
+        let me = self.me();
+        me.preempt.store(false, Ordering::Relaxed);
+        me.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
+        me.running_task.store(fiber.sched_data(), Ordering::Relaxed);
+        let outcome = fiber.run();
+        let me = self.me();
+        me.running_fiber.store(0, Ordering::Relaxed);
+        me.running_task.store(0, Ordering::Relaxed);
+        match outcome {
+            Ok(RunOutcome::Yielded(_)) => self.resumed[class_of(fiber.priority())].push_back(fiber),
+            Ok(RunOutcome::Slept) => {
+                self.me().sleeping.lock().insert(fiber.id(), fiber);
+            }
+            Ok(RunOutcome::Returned(())) => self.finish(fiber, None),
+            Ok(RunOutcome::Panicked(p)) => {
+                let err = if p.payload.is::<Cancelled>() {
+                    JoinError::Cancelled {
+                        fiber: Some(p.fiber),
+                        name: p.name,
+                    }
+                } else {
+                    JoinError::Panicked {
+                        fiber: p.fiber,
+                        name: p.name,
+                        payload: p.payload,
+                    }
+                };
+                self.finish(fiber, Some(err));
+            }
+            Err(e) => panic!("spindle-executor: internal error, a queued fiber could not run: {e}"),
+        }
+    }
+
+    /// Starts a job on a cached or new fiber.
+    fn start(&mut self, job: Job) -> Option<Task> {
+        if job.task.cancelled.load(Ordering::Acquire) {
+            let name = job.task.name.clone();
+            let task = job.task.clone();
+            drop(job);
+            self.complete(task, Some(JoinError::Cancelled { fiber: None, name }));
+            return None;
+        }
+        let fiber = match (job.task.name.is_none(), self.cache.pop()) {
+            (true, Some(f)) => f,
+            (_, cached) => {
+                if let Some(f) = cached {
+                    self.cache.push(f);
+                }
+                let mut attr = FiberAttr::new().stack_size(self.shared().config.stack_size);
+                if let Some(n) = &job.task.name {
+                    attr = attr.name(n.clone());
+                }
+                match Fiber::new(attr) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        // Out of stacks (mappings or memory): put the job
+                        // back and let running fibers finish first.
+                        eprintln!("spindle-executor: cannot start a fiber yet: {e}");
+                        self.shared().global[class_of(job.priority)].push(job);
+                        std::thread::yield_now();
+                        return None;
+                    }
+                }
+            }
+        };
+        let Job { run, task, priority } = job;
+        let _ = task.started_fiber.set(fiber.id());
+        fiber
+            .set_function(priority, run)
+            .expect("a cached or new fiber takes a function");
+        fiber
+            .set_home(Some(&self.me().home))
+            .expect("a fiber with a new function is Ready");
+        fiber.set_sched_data(task.into_raw());
+        Some(fiber)
+    }
+
+    fn finish(&mut self, fiber: Task, err: Option<JoinError>) {
+        let task = take_task(&fiber);
+        // Only unnamed fibers this worker created (at the configured stack
+        // size) are cached; named ones keep their name for their task only.
+        if fiber.name().is_none() && self.cache.len() < FIBER_CACHE {
+            self.cache.push(fiber);
+        } else {
+            drop(fiber);
+        }
+        self.complete(task, err);
+    }
+
+    fn complete(&self, task: TaskRef, err: Option<JoinError>) {
+        if matches!(err, Some(JoinError::Cancelled { .. })) {
+            self.shared().stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        task.complete(err);
+        self.shared().live.fetch_sub(1, Ordering::AcqRel);
+        self.shared().stats.completed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn idle(&mut self, parker: &Parker) {
+        let shared = Arc::clone(&self.ctx.shared);
+        shared.searching.fetch_add(1, Ordering::SeqCst);
+        for round in 0..SEARCH_ROUNDS {
+            if let Some(n) = self.next() {
+                if shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work() {
+                    // The last searcher found work and more is pending: get
+                    // another worker looking.
+                    shared.wake_one_parked();
+                }
+                self.run_one(n);
+                return;
+            }
+            if round < SEARCH_ROUNDS / 2 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        shared.searching.fetch_sub(1, Ordering::SeqCst);
+
+        let me = self.me();
+        // Parking protocol, worker steps 1-4 (shared.rs).
+        me.parked.store(true, Ordering::SeqCst);
+        if shared.shutdown.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
+            me.parked.store(false, Ordering::SeqCst);
+            return;
+        }
+        shared.stats.parks.fetch_add(1, Ordering::Relaxed);
+        crate::trace_event!(worker = self.ctx.index, "park");
+        let extra = self.ctx.index >= shared.config.base_workers;
+        if extra && me.active.load(Ordering::Relaxed) {
+            parker.park_timeout(shared.config.idle_retire);
+            if me.parked.swap(false, Ordering::SeqCst) {
+                // Nobody woke us: retire if we are the highest active worker.
+                self.try_retire();
+            }
+        } else {
+            parker.park();
+            me.parked.store(false, Ordering::SeqCst);
+        }
+    }
+
+    fn try_retire(&self) {
+        let shared = self.shared();
+        let i = self.ctx.index;
+        if shared
+            .active
+            .compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.me().active.store(false, Ordering::Release);
+            shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
+            crate::trace_event!(worker = i, "retire");
+            // Jobs that raced into our fresh queue are still stealable, and
+            // we keep polling it: nothing is stranded.
+        }
+    }
+
+    /// Shutdown: unwind or drop everything this worker holds, on this thread
+    /// (started fibers are pinned here).
+    fn drain(&mut self) {
+        self.drain_inbox();
+        let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
+        fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
+        for fiber in fibers {
+            if fiber.sched_data() != 0 {
+                let task = take_task(&fiber);
+                let err = JoinError::Cancelled {
+                    fiber: Some(fiber.id()),
+                    name: task.name.clone(),
+                };
+                drop(fiber);
+                self.complete(task, Some(err));
+            }
+        }
+        for class in 0..CLASSES {
+            while let Some(job) = steal_one(&self.me().fresh[class]) {
+                let name = job.task.name.clone();
+                let task = job.task.clone();
+                drop(job);
+                self.complete(task, Some(JoinError::Cancelled { fiber: None, name }));
+            }
+        }
+        self.cache.clear();
+    }
+}
+
+/// Takes the TaskRef out of a fiber's sched word.
+fn take_task(fiber: &Task) -> TaskRef {
+    let raw = fiber.sched_data();
+    fiber.set_sched_data(0);
+    // SAFETY: set in `start` from `TaskRef::into_raw`; taken once.
+    unsafe { TaskRef::from_raw(raw) }
+}
