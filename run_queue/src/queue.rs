@@ -24,7 +24,7 @@
 use std::cmp::Reverse;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,10 @@ struct Synced<T> {
 }
 
 struct Shared<T> {
+    /// `RunQueue` handles alive. Fibers point back here (their home), so
+    /// the queue's memory outlives the handles; when the last handle goes,
+    /// queued fibers are released and later wakes leave fibers `Ready`.
+    handles: AtomicUsize,
     capacity: usize,
     synced: Mutex<Synced<T>>,
     not_empty: Condvar,
@@ -186,6 +190,7 @@ impl<T: Send + 'static> RunQueue<T> {
     pub fn new(capacity: usize) -> RunQueue<T> {
         assert!(capacity > 0, "a run queue needs a capacity of at least 1");
         let shared = Arc::new(Shared {
+            handles: AtomicUsize::new(1),
             capacity,
             synced: Mutex::new(Synced {
                 heap: PriorityQueue::with_capacity_and_hasher(capacity, Default::default()),
@@ -204,15 +209,16 @@ impl<T: Send + 'static> RunQueue<T> {
     /// A full queue or a fiber that is not runnable hands the fiber back in
     /// the error: nothing is lost.
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
-        if let Err(e) = fiber.mark_queued(Some(&self.home)) {
-            return Err(PushError::NotReady(fiber, e));
-        }
         let synced = self.shared.synced.lock();
         if synced.heap.len() >= self.shared.capacity {
             drop(synced);
             self.shared.stats.full_pushes.fetch_add(1, Ordering::Relaxed);
-            fiber.mark_dequeued().expect("we queued it");
             return Err(PushError::Full(fiber));
+        }
+        // Under the lock, so a fiber refused as full is never re-homed here.
+        if let Err(e) = fiber.mark_queued(Some(&self.home)) {
+            drop(synced);
+            return Err(PushError::NotReady(fiber, e));
         }
         self.shared.insert(synced, fiber);
         Ok(())
@@ -237,7 +243,8 @@ impl<T: Send + 'static> RunQueue<T> {
                 std::thread::yield_now();
             }
         }
-        let deadline = Instant::now() + timeout;
+        // A timeout too large to represent waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
         let mut synced = self.shared.synced.lock();
         loop {
             if let Some((e, _)) = synced.heap.pop() {
@@ -246,11 +253,13 @@ impl<T: Send + 'static> RunQueue<T> {
             }
             synced.sleepers += 1;
             self.shared.stats.parks.fetch_add(1, Ordering::Relaxed);
-            let timed_out = self
-                .shared
-                .not_empty
-                .wait_until(&mut synced, deadline)
-                .timed_out();
+            let timed_out = match deadline {
+                Some(d) => self.shared.not_empty.wait_until(&mut synced, d).timed_out(),
+                None => {
+                    self.shared.not_empty.wait(&mut synced);
+                    false
+                }
+            };
             synced.sleepers -= 1;
             if timed_out {
                 let popped = synced.heap.pop().map(|(e, _)| e.0);
@@ -374,15 +383,40 @@ impl<T: Send + 'static> Schedule<T> for Shared<T> {
     fn schedule(&self, fiber: Fiber<T>) {
         self.stats.wakes.fetch_add(1, Ordering::Relaxed);
         let synced = self.synced.lock();
+        if self.handles.load(Ordering::Acquire) == 0 {
+            // The queue is gone: leave the fiber runnable for whoever
+            // still holds it.
+            drop(synced);
+            let _ = fiber.mark_dequeued();
+            return;
+        }
         self.insert(synced, fiber);
     }
 }
 
 impl<T> Clone for RunQueue<T> {
     fn clone(&self) -> RunQueue<T> {
+        self.shared.handles.fetch_add(1, Ordering::Relaxed);
         RunQueue {
             shared: Arc::clone(&self.shared),
             home: Arc::clone(&self.home),
+        }
+    }
+}
+
+impl<T> Drop for RunQueue<T> {
+    /// The last handle releases the fibers still queued (they go back to
+    /// `Ready` and are dropped here unless someone else holds them).
+    fn drop(&mut self) {
+        if self.shared.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let drained: Vec<Fiber<T>> = {
+            let mut synced = self.shared.synced.lock();
+            std::iter::from_fn(|| synced.heap.pop().map(|(e, _)| e.0)).collect()
+        };
+        for f in drained {
+            let _ = f.mark_dequeued();
         }
     }
 }

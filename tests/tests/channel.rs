@@ -1,0 +1,347 @@
+//! Channels on one thread: caller-owned messages, FIFO of messages and of
+//! waiting fibers, message reuse, the raw trailing-payload form, and what
+//! dropping a channel does to queued messages.
+
+mod common;
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use common::{fiber, watchdog, Counted, DropCounter};
+use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::{Channel, Msg, MsgHeader, RawChannel};
+
+/// The flow: `try_pop` on empty is `None`; a fiber popping an empty
+/// channel sleeps; running it while it sleeps is an error; a push wakes it
+/// onto its run queue and it sees the message.
+#[test]
+fn a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it() {
+    watchdog(
+        "a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it",
+        30,
+        |stage| {
+            let chan = Arc::new(Channel::<u64>::new());
+            assert!(chan.try_pop().is_none());
+            assert!(chan.is_empty());
+            assert_eq!((chan.len(), chan.receivers()), (0, 0));
+
+            let queue = RunQueue::<u64>::new(4);
+            let rx = chan.clone();
+            let f = fiber(Priority::NORMAL, move || rx.pop().into_inner());
+            queue.try_push(f.clone()).unwrap();
+
+            stage.set("first run: the receiver should go to sleep");
+            let ran = queue.run_next().unwrap();
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+            assert_eq!(f.state(), FiberState::Sleeping);
+            assert!(queue.is_empty());
+            assert_eq!(chan.receivers(), 1);
+            match f.run() {
+                Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
+                other => panic!("running a sleeping fiber gave {other:?}"),
+            }
+
+            chan.push(Msg::new(42));
+            assert_eq!(f.state(), FiberState::Queued);
+            assert_eq!(queue.len(), 1, "the push woke the receiver onto its queue");
+            assert_eq!(queue.stats().wakes, 1);
+            assert_eq!(chan.receivers(), 0);
+            assert_eq!(chan.len(), 0, "the message went straight to the receiver");
+
+            stage.set("second run: the woken receiver should return the message");
+            let ran = queue.run_next().unwrap();
+            assert!(
+                matches!(ran.outcome, Ok(RunOutcome::Returned(42))),
+                "{:?}",
+                ran.outcome
+            );
+            assert!(chan.try_pop().is_none());
+        },
+    );
+}
+
+/// Two messages already queued: the fiber takes both without sleeping.
+#[test]
+fn queued_messages_are_taken_without_sleeping() {
+    watchdog("queued_messages_are_taken_without_sleeping", 30, |_stage| {
+        let chan = Arc::new(Channel::<u64>::new());
+        chan.push(Msg::new(1));
+        chan.push(Msg::new(2));
+        assert_eq!(chan.len(), 2);
+        let rx = chan.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            let a = rx.pop().into_inner();
+            let b = rx.pop().into_inner();
+            (a, b)
+        });
+        assert_eq!(f.run().unwrap().unwrap_returned(), (1, 2));
+        assert_eq!(f.stats().sleeps, 0);
+        assert!(chan.is_empty());
+    });
+}
+
+/// Messages come out in push order; waiting receivers are served in the
+/// order they started waiting, and are woken onto the queue in that order.
+#[test]
+fn messages_and_waiting_receivers_are_both_fifo() {
+    const N: usize = 16;
+    watchdog("messages_and_waiting_receivers_are_both_fifo", 30, |stage| {
+        let chan = Arc::new(Channel::<usize>::new());
+        for i in 0..100 {
+            chan.push(Msg::new(i));
+        }
+        let got: Vec<usize> = std::iter::from_fn(|| chan.try_pop())
+            .map(Msg::into_inner)
+            .collect();
+        assert_eq!(got, (0..100).collect::<Vec<_>>());
+
+        let queue = RunQueue::<(usize, usize)>::new(N);
+        for i in 0..N {
+            let rx = chan.clone();
+            queue
+                .try_push(fiber(Priority::NORMAL, move || (i, rx.pop().into_inner())))
+                .unwrap();
+        }
+        stage.set("putting the receivers to sleep");
+        while let Some(ran) = queue.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        assert_eq!(chan.receivers(), N);
+        // Messages 1000.. go to receivers 0.. in order.
+        for i in 0..N {
+            chan.push(Msg::new(1000 + i));
+        }
+        assert_eq!(chan.receivers(), 0);
+        assert_eq!(queue.len(), N);
+        stage.set("running the woken receivers");
+        let results: Vec<(usize, usize)> = std::iter::from_fn(|| queue.run_next())
+            .map(|ran| ran.outcome.unwrap().unwrap_returned())
+            .collect();
+        let expected: Vec<(usize, usize)> = (0..N).map(|i| (i, 1000 + i)).collect();
+        assert_eq!(results, expected, "woken and served in the order they waited");
+    });
+}
+
+/// A message handle is reused: pop it, change it in place, push it again.
+/// The allocation is the same each time.
+#[test]
+fn a_message_is_reused_without_reallocating() {
+    watchdog("a_message_is_reused_without_reallocating", 30, |_stage| {
+        let chan = Channel::<[u64; 4]>::new();
+        let mut m = Msg::new([0; 4]);
+        let addr = &*m as *const [u64; 4];
+        for round in 1..=100u64 {
+            m[0] = round;
+            m[3] = round * 2;
+            chan.push(m);
+            m = chan.try_pop().expect("the message we pushed");
+            assert_eq!(&*m as *const [u64; 4], addr, "round {round}: a new allocation");
+            assert_eq!(*m, [round, 0, 0, round * 2]);
+        }
+
+        // Across a sleeping fiber: it gets the message, changes it, sends it
+        // back on a second channel.
+        let to_fiber = Arc::new(Channel::<String>::new());
+        let back = Arc::new(Channel::<String>::new());
+        let queue = RunQueue::<()>::new(1);
+        let (rx, tx) = (to_fiber.clone(), back.clone());
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                for _ in 0..3 {
+                    let mut m = rx.pop();
+                    m.push('!');
+                    tx.push(m);
+                }
+            }))
+            .unwrap();
+        let mut m = Msg::new(String::from("hi"));
+        let addr = &*m as *const String;
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        for round in 0..3 {
+            to_fiber.push(m);
+            assert_eq!(queue.len(), 1, "round {round}: the push woke the fiber");
+            let ran = queue.run_next().unwrap();
+            match ran.outcome {
+                Ok(RunOutcome::Slept) => assert!(round < 2, "round {round}"),
+                Ok(RunOutcome::Returned(())) => assert_eq!(round, 2),
+                other => panic!("round {round}: unexpected outcome {other:?}"),
+            }
+            m = back.try_pop().expect("the fiber sent the message back");
+            assert_eq!(&*m as *const String, addr, "round {round}: a new allocation");
+        }
+        assert_eq!(*m, "hi!!!");
+        assert!(queue.run_next().is_none());
+        assert_eq!(format!("{m:?}"), "Msg(\"hi!!!\")");
+    });
+}
+
+/// A caller-managed block: the header directly followed by its payload
+/// (`MsgHeader::init_trailing`), through the raw channel, to a fiber.
+#[test]
+fn raw_channel_carries_a_trailing_payload_block() {
+    #[repr(C)]
+    struct Block {
+        hdr: MsgHeader,
+        payload: [u8; 64],
+    }
+
+    watchdog("raw_channel_carries_a_trailing_payload_block", 30, |_stage| {
+        let chan = Arc::new(RawChannel::new());
+        let mut block = Box::new(Block {
+            hdr: MsgHeader::new(std::ptr::null_mut(), 0),
+            payload: [0; 64],
+        });
+        // SAFETY: `payload` directly follows `hdr` in the repr(C) struct
+        // (MsgHeader's size is a multiple of the payload's alignment).
+        unsafe { MsgHeader::init_trailing(&mut block.hdr, 64) };
+        assert_eq!(block.hdr.buf, block.payload.as_mut_ptr());
+        assert_eq!(block.hdr.len, 64);
+        block.payload[..5].copy_from_slice(b"hello");
+        block.payload[63] = 0xAB;
+        let raw = Box::into_raw(block);
+
+        let queue = RunQueue::<(usize, Vec<u8>)>::new(1);
+        let rx = chan.clone();
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                let hdr = rx.pop();
+                // SAFETY: the header describes `len` readable payload bytes
+                // that the test keeps alive and does not touch meanwhile.
+                let bytes = unsafe {
+                    let h = hdr.as_ref();
+                    std::slice::from_raw_parts(h.buf, h.len).to_vec()
+                };
+                (hdr.as_ptr() as usize, bytes)
+            }))
+            .unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        assert_eq!(chan.receivers(), 1);
+        // SAFETY: the block is a live, unmoved allocation pushed only here;
+        // its header is the first field, so the pointers coincide.
+        unsafe { chan.push(NonNull::new(raw as *mut MsgHeader).unwrap()) };
+        let (addr, bytes) = queue.run_next().unwrap().outcome.unwrap().unwrap_returned();
+        assert_eq!(addr, raw as usize, "the receiver got the very header we pushed");
+        assert_eq!(&bytes[..5], b"hello");
+        assert_eq!(bytes[63], 0xAB);
+        assert_eq!(bytes.len(), 64);
+
+        // Queued, then popped without waiting, in FIFO order.
+        // SAFETY: as above; the block is popped before it is freed.
+        unsafe {
+            chan.push(NonNull::new(raw as *mut MsgHeader).unwrap());
+            let mut second = MsgHeader::new(std::ptr::null_mut(), 0);
+            let second_ptr = NonNull::from(&mut second);
+            chan.push(second_ptr);
+            assert_eq!(chan.len(), 2);
+            assert_eq!(chan.try_pop().map(NonNull::as_ptr), Some(raw as *mut MsgHeader));
+            assert_eq!(chan.try_pop(), Some(second_ptr));
+            assert!(chan.try_pop().is_none());
+            drop(Box::from_raw(raw));
+        }
+    });
+}
+
+/// Dropping a raw channel with queued headers leaves them to their owners:
+/// they stay valid and usable.
+#[test]
+fn dropping_a_raw_channel_leaves_queued_headers_to_their_owners() {
+    let mut a = MsgHeader::new(std::ptr::null_mut(), 1);
+    let mut b = MsgHeader::new(std::ptr::null_mut(), 2);
+    {
+        let chan = RawChannel::new();
+        // SAFETY: both headers outlive the channel and are pushed only here.
+        unsafe {
+            chan.push(NonNull::from(&mut a));
+            chan.push(NonNull::from(&mut b));
+        }
+        assert_eq!(chan.len(), 2);
+    }
+    // Reusable on another channel.
+    let chan = RawChannel::new();
+    // SAFETY: as above.
+    unsafe { chan.push(NonNull::from(&mut b)) };
+    // SAFETY: the popped header is `b`, alive in this frame.
+    assert_eq!(chan.try_pop().map(|h| unsafe { h.as_ref().len }), Some(2));
+    assert_eq!(a.len, 1);
+}
+
+/// Dropping a channel that still holds messages drops their values, once.
+#[test]
+fn dropping_a_channel_drops_queued_messages() {
+    let drops = DropCounter::default();
+    let chan = Channel::<Counted>::new();
+    for i in 0..5 {
+        chan.push(Msg::new(drops.make(i)));
+    }
+    let first = chan.try_pop().unwrap();
+    assert_eq!(first.1, 0);
+    assert_eq!(drops.drops(), 0);
+    drop(chan);
+    assert_eq!(
+        drops.drops(),
+        4,
+        "the four queued values are dropped with the channel"
+    );
+    drop(first);
+    assert_eq!(drops.drops(), 5);
+}
+
+/// A message's value is dropped exactly once whichever way it leaves:
+/// `into_inner`, dropping the handle, or with the channel.
+#[test]
+fn message_values_are_dropped_exactly_once() {
+    let drops = DropCounter::default();
+    let chan = Channel::<Counted>::new();
+    chan.push(Msg::new(drops.make(1)));
+    chan.push(Msg::new(drops.make(2)));
+    let v = chan.try_pop().unwrap().into_inner();
+    assert_eq!((v.1, drops.drops()), (1, 0));
+    drop(v);
+    drop(chan.try_pop().unwrap());
+    assert_eq!(drops.drops(), 2);
+    drop(chan);
+    assert_eq!(drops.drops(), 2);
+}
+
+/// A plain thread waits on a channel (it parks) and gets the message a
+/// fiber pushes; a fiber gets the message a thread pushes.
+#[test]
+fn threads_and_fibers_exchange_messages() {
+    watchdog("threads_and_fibers_exchange_messages", 30, |stage| {
+        let to_thread = Arc::new(Channel::<u32>::new());
+        let to_fiber = Arc::new(Channel::<u32>::new());
+        let (rx, tx) = (to_thread.clone(), to_fiber.clone());
+        let thread = std::thread::spawn(move || {
+            let v = rx.pop().into_inner();
+            tx.push(Msg::new(v + 1));
+            v
+        });
+        stage.set("waiting for the thread to wait on the channel");
+        common::spin_until(|| to_thread.receivers() == 1);
+
+        let queue = RunQueue::<u32>::new(1);
+        let (tx, rx) = (to_thread.clone(), to_fiber.clone());
+        let f = fiber(Priority::NORMAL, move || {
+            tx.push(Msg::new(10));
+            rx.pop().into_inner()
+        });
+        queue.try_push(f.clone()).unwrap();
+        stage.set("running the fiber; then waiting for the thread's reply");
+        let ran = queue.run_next().unwrap();
+        let v = match ran.outcome {
+            // The reply may already be there.
+            Ok(RunOutcome::Returned(v)) => v,
+            Ok(RunOutcome::Slept) => {
+                let popped = queue
+                    .pop_timeout(std::time::Duration::from_secs(600))
+                    .expect("the reply wakes it");
+                assert!(Fiber::ptr_eq(&popped, &f));
+                queue.run_popped(popped).outcome.unwrap().unwrap_returned()
+            }
+            other => panic!("unexpected outcome {other:?}"),
+        };
+        assert_eq!(v, 11);
+        assert_eq!(thread.join().unwrap(), 10);
+    });
+}

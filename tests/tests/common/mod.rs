@@ -1,0 +1,183 @@
+//! Helpers shared by the workspace behaviour tests: a watchdog for tests
+//! that could hang, a drop counter, a tiny deterministic PRNG and a fiber
+//! constructor.
+
+// Each test binary uses a different subset of these helpers.
+#![allow(dead_code)]
+
+use std::panic::resume_unwind;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use spindle_fiber::{Fiber, FiberAttr, Priority};
+
+/// What a watched test is doing right now; shown when the watchdog fires.
+///
+/// Cheap to clone; worker threads of the test may update it too.
+#[derive(Clone, Default)]
+pub struct Stage(Arc<Mutex<String>>);
+
+impl Stage {
+    /// Records what the test is doing from now on.
+    pub fn set(&self, doing: impl Into<String>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = doing.into();
+    }
+
+    fn get(&self) -> String {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Runs `f` on a fresh thread and returns its result. If `f` does not
+/// finish within `secs` seconds, fails the calling test with
+/// `watchdog: <name> did not finish in <secs>s: <stage>`, where the stage
+/// is the last one `f` recorded. The stuck thread is left behind; the test
+/// binary still exits. A panic in `f` is resumed in the caller.
+pub fn watchdog<R, F>(name: &str, secs: u64, f: F) -> R
+where
+    F: FnOnce(Stage) -> R + Send + 'static,
+    R: Send + 'static,
+{
+    watchdog_with_status(name, secs, String::new, f)
+}
+
+/// Like [`watchdog`], and when it fires also prints `status()` (counters
+/// the test keeps in shared atomics, say).
+pub fn watchdog_with_status<R, F, S>(name: &str, secs: u64, status: S, f: F) -> R
+where
+    F: FnOnce(Stage) -> R + Send + 'static,
+    R: Send + 'static,
+    S: Fn() -> String,
+{
+    let stage = Stage::default();
+    stage.set("starting");
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let body_stage = stage.clone();
+    let worker = std::thread::Builder::new()
+        .name(format!("watched: {name}"))
+        .spawn(move || {
+            let r = f(body_stage);
+            // The receiver is gone if the watchdog already fired.
+            let _ = done_tx.send(());
+            r
+        })
+        .expect("spawning the watched test thread");
+    match done_rx.recv_timeout(Duration::from_secs(secs)) {
+        // Disconnected: `f` panicked and dropped the sender while unwinding.
+        Ok(()) | Err(RecvTimeoutError::Disconnected) => match worker.join() {
+            Ok(r) => r,
+            Err(payload) => resume_unwind(payload),
+        },
+        Err(RecvTimeoutError::Timeout) => {
+            let extra = status();
+            let extra = if extra.is_empty() {
+                extra
+            } else {
+                format!(" [{extra}]")
+            };
+            panic!(
+                "watchdog: {name} did not finish in {secs}s: {}{extra} (probably hung: a lost wakeup, \
+                 a fiber that never returns, or a deadlock)",
+                stage.get()
+            )
+        }
+    }
+}
+
+/// Spins (yielding the thread) until `cond` holds. Not a sleep: it waits
+/// for a state, and the caller's watchdog bounds it.
+pub fn spin_until(mut cond: impl FnMut() -> bool) {
+    while !cond() {
+        std::thread::yield_now();
+    }
+}
+
+/// Counts drops of the values it hands out.
+#[derive(Clone, Default)]
+pub struct DropCounter(Arc<AtomicUsize>);
+
+/// A value that bumps its [`DropCounter`] when dropped.
+#[derive(Debug)]
+pub struct Counted(Arc<AtomicUsize>, pub u64);
+
+impl DropCounter {
+    /// A value whose drop is counted here.
+    pub fn make(&self, v: u64) -> Counted {
+        Counted(Arc::clone(&self.0), v)
+    }
+
+    /// Drops counted so far.
+    pub fn drops(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A tiny deterministic PRNG (xorshift64*), enough for shuffles and random
+/// priorities.
+pub struct XorShift(u64);
+
+impl XorShift {
+    /// A generator from a seed (0 is replaced by a fixed non-zero seed).
+    pub fn new(seed: u64) -> XorShift {
+        XorShift(if seed == 0 { 0x9E37_79B9_7F4A_7C15 } else { seed })
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A value in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// Shuffles `v` in place (Fisher-Yates).
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+/// A fiber with a small stack, running `f` at `priority`, pinned to the
+/// thread that first runs it.
+pub fn fiber<T, F>(priority: Priority, f: F) -> Fiber<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024)).expect("creating a fiber");
+    fiber
+        .set_function(priority, f)
+        .expect("setting the fiber's function");
+    fiber
+}
+
+/// A named fiber with a small stack, running `f` at `priority`, pinned to
+/// the thread that first runs it.
+pub fn named_fiber<T, F>(name: &str, priority: Priority, f: F) -> Fiber<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    let fiber = Fiber::new(FiberAttr::new().name(name).stack_size(64 * 1024)).expect("creating a fiber");
+    fiber
+        .set_function(priority, f)
+        .expect("setting the fiber's function");
+    fiber
+}

@@ -1,0 +1,521 @@
+//! The priority run queue: capacity, priority order, FIFO among equals,
+//! refusals that hand the fiber back, priority changes, parking pops.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{fiber, spin_until, watchdog, DropCounter, XorShift};
+use spindle_fiber::{yield_now, Fiber, FiberError, FiberState, Priority, RunOutcome};
+use spindle_run_queue::{PushError, RunQueue};
+use spindle_sync::Semaphore;
+
+/// 256 fibers in a queue of capacity 256, many trials of random
+/// priorities: the 257th push is refused as full and hands the fiber back,
+/// pops come out by priority (FIFO among equals), an empty pop is `None`.
+#[test]
+fn full_queue_refuses_and_pops_come_out_by_priority() {
+    const N: usize = 256;
+    const TRIALS: usize = 50;
+    let queue = RunQueue::<usize>::new(N);
+    assert_eq!(queue.capacity(), N);
+    // The fibers are created once and reused: never run, they stay Ready.
+    let fibers: Vec<Fiber<usize>> = (0..N).map(|i| fiber(Priority::NORMAL, move || i)).collect();
+    let extra = fiber(Priority::HIGHEST, || usize::MAX);
+    let mut rng = XorShift::new(0x5eed_0003);
+    let mut full_pushes = 0;
+
+    for trial in 0..TRIALS {
+        // Odd trials draw from 4 levels, to get many ties.
+        let levels = if trial % 2 == 1 { 4 } else { 256 };
+        let mut order: Vec<usize> = (0..N).collect();
+        rng.shuffle(&mut order);
+        let mut pushed = Vec::with_capacity(N); // (priority, push position, fiber index)
+        for (pos, &i) in order.iter().enumerate() {
+            let p = Priority(rng.below(levels) as u8);
+            fibers[i].set_priority(p);
+            queue
+                .try_push(fibers[i].clone())
+                .unwrap_or_else(|e| panic!("trial {trial}: push {pos}: {e}"));
+            assert_eq!(fibers[i].state(), FiberState::Queued);
+            pushed.push((p, pos, i));
+        }
+        assert_eq!(queue.len(), N);
+
+        match queue.try_push(extra.clone()) {
+            Err(PushError::Full(back)) => {
+                assert!(Fiber::ptr_eq(&back, &extra), "the refused fiber is handed back");
+                assert_eq!(back.state(), FiberState::Ready, "a refused fiber stays runnable");
+            }
+            other => panic!("trial {trial}: push into a full queue gave {other:?}"),
+        }
+        full_pushes += 1;
+        // The refused fiber can be recovered through into_fiber too.
+        let err = queue
+            .try_push(extra.clone())
+            .expect_err("the queue is still full");
+        assert!(matches!(err, PushError::Full(_)), "{err:?}");
+        assert!(Fiber::ptr_eq(&err.into_fiber(), &extra));
+        full_pushes += 1;
+        assert_eq!(queue.len(), N);
+
+        // Expected: highest priority first, push order among equals.
+        pushed.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut last = Priority::HIGHEST;
+        for (k, &(p, _, i)) in pushed.iter().enumerate() {
+            let popped = queue
+                .try_pop()
+                .unwrap_or_else(|| panic!("trial {trial}: pop {k} was empty"));
+            assert!(
+                popped.priority() <= last,
+                "trial {trial}: pop {k} went up in priority"
+            );
+            last = popped.priority();
+            assert!(
+                Fiber::ptr_eq(&popped, &fibers[i]),
+                "trial {trial}: pop {k}: expected fiber {i} at {p:?}, got {:?} at {:?}",
+                popped.id(),
+                popped.priority()
+            );
+            assert_eq!(popped.state(), FiberState::Ready, "a popped fiber is runnable");
+        }
+        assert!(
+            queue.try_pop().is_none(),
+            "trial {trial}: the queue should be empty"
+        );
+        assert!(queue.is_empty());
+    }
+
+    let stats = queue.stats();
+    assert_eq!(stats.pushes, (N * TRIALS) as u64);
+    assert_eq!(stats.pops, (N * TRIALS) as u64);
+    assert_eq!(stats.empty_pops, TRIALS as u64);
+    assert_eq!(stats.full_pushes, full_pushes);
+    assert_eq!(stats.wakes, 0);
+
+    // The fibers still work after all that queueing.
+    assert_eq!(fibers[7].run().unwrap().unwrap_returned(), 7);
+    assert_eq!(extra.run().unwrap().unwrap_returned(), usize::MAX);
+}
+
+#[test]
+fn an_empty_queue_pops_none_and_counts_it() {
+    let queue = RunQueue::<()>::new(1);
+    assert!(queue.try_pop().is_none());
+    assert!(queue.run_next().is_none());
+    assert!(queue.is_empty());
+    assert_eq!(queue.len(), 0);
+    let stats = queue.stats();
+    assert_eq!((stats.pops, stats.empty_pops, stats.pushes), (0, 2, 0));
+}
+
+#[test]
+#[should_panic(expected = "capacity of at least 1")]
+fn a_zero_capacity_queue_is_refused() {
+    let _ = RunQueue::<()>::new(0);
+}
+
+/// 128 fibers of equal priority, popped and re-pushed 128 times: every
+/// round sees each fiber exactly once, in the same order.
+#[test]
+fn equal_priorities_pop_in_fifo_order_round_after_round() {
+    const N: usize = 128;
+    let queue = RunQueue::<usize>::new(N);
+    let fibers: Vec<Fiber<usize>> = (0..N).map(|i| fiber(Priority::NORMAL, move || i)).collect();
+    for f in &fibers {
+        queue.try_push(f.clone()).unwrap();
+    }
+    let mut first_round: Option<Vec<usize>> = None;
+    for round in 0..N {
+        let mut seen = [false; N];
+        let mut this_round = Vec::with_capacity(N);
+        for k in 0..N {
+            let f = queue
+                .try_pop()
+                .unwrap_or_else(|| panic!("round {round}: pop {k} was empty"));
+            let i = fibers
+                .iter()
+                .position(|g| Fiber::ptr_eq(g, &f))
+                .expect("a fiber we pushed");
+            assert!(!seen[i], "round {round}: fiber {i} popped twice");
+            seen[i] = true;
+            this_round.push(i);
+            queue.try_push(f).unwrap();
+        }
+        assert!(seen.iter().all(|&s| s), "round {round}: some fiber was not seen");
+        match &first_round {
+            None => {
+                assert_eq!(
+                    this_round,
+                    (0..N).collect::<Vec<_>>(),
+                    "the first round is push order"
+                );
+                first_round = Some(this_round);
+            }
+            Some(first) => assert_eq!(&this_round, first, "round {round} changed the order"),
+        }
+    }
+    assert_eq!(queue.len(), N);
+    assert_eq!(queue.stats().pushes, (N + N * N) as u64);
+}
+
+/// Fibers that yield are put back behind their equals by `run_next`: the
+/// run order is round-robin.
+#[test]
+fn yielding_fibers_run_round_robin() {
+    const N: usize = 64;
+    const YIELDS: usize = 32;
+    watchdog("yielding_fibers_run_round_robin", 30, |stage| {
+        let queue = RunQueue::<usize>::new(N);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..N {
+            let log = log.clone();
+            queue
+                .try_push(fiber(Priority::NORMAL, move || {
+                    for _ in 0..YIELDS {
+                        log.lock().unwrap().push(i);
+                        yield_now();
+                    }
+                    log.lock().unwrap().push(i);
+                    i
+                }))
+                .unwrap();
+        }
+        stage.set("running the yielding fibers with run_next");
+        let mut returned = Vec::new();
+        while let Some(ran) = queue.run_next() {
+            match ran.outcome {
+                Ok(RunOutcome::Yielded(0)) => assert_eq!(ran.fiber.state(), FiberState::Queued),
+                Ok(RunOutcome::Returned(i)) => {
+                    assert_eq!(ran.fiber.state(), FiberState::Finished);
+                    returned.push(i);
+                }
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        assert_eq!(returned, (0..N).collect::<Vec<_>>());
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), N * (YIELDS + 1));
+        for (round, chunk) in log.chunks(N).enumerate() {
+            assert_eq!(
+                chunk,
+                (0..N).collect::<Vec<_>>(),
+                "round {round} is not round-robin"
+            );
+        }
+        let stats = queue.stats();
+        assert_eq!(stats.pops, (N * (YIELDS + 1)) as u64);
+        assert_eq!(stats.pushes, (N * (YIELDS + 1)) as u64);
+    });
+}
+
+/// Pushing a fiber that is not runnable is refused with `NotReady`, the
+/// fiber is handed back, and the queue is unchanged.
+#[test]
+fn fibers_that_are_not_runnable_are_refused() {
+    watchdog("fibers_that_are_not_runnable_are_refused", 30, |_stage| {
+        let queue = RunQueue::<&'static str>::new(8);
+
+        // Without a function.
+        let empty = Fiber::<&'static str>::new(Default::default()).unwrap();
+        match queue.try_push(empty.clone()) {
+            Err(PushError::NotReady(back, FiberError::NoFunction(id))) => {
+                assert!(Fiber::ptr_eq(&back, &empty));
+                assert_eq!(id, empty.id());
+            }
+            other => panic!("pushing a fiber without a function gave {other:?}"),
+        }
+        assert_eq!(empty.state(), FiberState::Empty);
+
+        // Already queued: the same fiber twice.
+        let twice = fiber(Priority::NORMAL, || "twice");
+        queue.try_push(twice.clone()).unwrap();
+        match queue.try_push(twice.clone()) {
+            Err(PushError::NotReady(back, FiberError::Queued(_))) => assert!(Fiber::ptr_eq(&back, &twice)),
+            other => panic!("pushing a queued fiber again gave {other:?}"),
+        }
+        assert_eq!(queue.len(), 1, "the second push must not add an entry");
+        let popped = queue.try_pop().unwrap();
+        assert!(Fiber::ptr_eq(&popped, &twice));
+        assert!(queue.try_pop().is_none(), "the fiber was queued once only");
+
+        // Finished.
+        assert_eq!(twice.run().unwrap().unwrap_returned(), "twice");
+        match queue.try_push(twice.clone()) {
+            Err(PushError::NotReady(_, FiberError::Finished(_))) => {}
+            other => panic!("pushing a finished fiber gave {other:?}"),
+        }
+
+        // Running: the fiber tries to push itself.
+        let me_slot: Arc<Mutex<Option<Fiber<&'static str>>>> = Arc::default();
+        let (slot, q) = (me_slot.clone(), queue.clone());
+        let runner = fiber(Priority::NORMAL, move || {
+            let me = slot.lock().unwrap().take().expect("the handle was stored");
+            match q.try_push(me) {
+                Err(PushError::NotReady(_, FiberError::Running(_))) => "refused while running",
+                Err(_) => "refused for another reason",
+                Ok(()) => "accepted while running",
+            }
+        });
+        *me_slot.lock().unwrap() = Some(runner.clone());
+        assert_eq!(runner.run().unwrap().unwrap_returned(), "refused while running");
+
+        // Sleeping on a semaphore.
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let sleeper = fiber(Priority::NORMAL, move || {
+            s.acquire();
+            "woken"
+        });
+        assert!(matches!(sleeper.run().unwrap(), RunOutcome::Slept));
+        match queue.try_push(sleeper.clone()) {
+            Err(PushError::NotReady(_, FiberError::Sleeping(_))) => {}
+            other => panic!("pushing a sleeping fiber gave {other:?}"),
+        }
+        assert_eq!(sleeper.state(), FiberState::Sleeping);
+        sem.release(1);
+        // It never reached a run queue, so the wake leaves it Ready.
+        assert_eq!(sleeper.state(), FiberState::Ready);
+        assert_eq!(sleeper.run().unwrap().unwrap_returned(), "woken");
+
+        assert!(queue.is_empty());
+        assert_eq!(queue.stats().full_pushes, 0);
+    });
+}
+
+#[test]
+fn a_push_error_says_what_happened() {
+    let queue = RunQueue::<()>::new(1);
+    queue.try_push(fiber(Priority::NORMAL, || ())).unwrap();
+    let full = queue.try_push(fiber(Priority::NORMAL, || ())).unwrap_err();
+    assert!(full.to_string().contains("full"), "{full}");
+    let empty = Fiber::<()>::new(Default::default()).unwrap();
+    let not_ready = RunQueue::<()>::new(1).try_push(empty).unwrap_err();
+    assert!(not_ready.to_string().contains("set_function"), "{not_ready}");
+}
+
+/// `RunQueue::set_priority` moves a queued fiber at once (behind fibers
+/// already at the new priority); `Fiber::set_priority` on a queued fiber
+/// takes effect at its next push.
+#[test]
+fn set_priority_moves_a_queued_fiber() {
+    let queue = RunQueue::<char>::new(8);
+    let a = fiber(Priority::NORMAL, || 'a');
+    let b = fiber(Priority::NORMAL, || 'b');
+    let c = fiber(Priority::LOWEST, || 'c');
+    let d = fiber(Priority::NORMAL, || 'd');
+    for f in [&a, &b, &c, &d] {
+        queue.try_push(f.clone()).unwrap();
+    }
+    // c from last to first.
+    queue.set_priority(&c, Priority::HIGHEST);
+    assert_eq!(c.priority(), Priority::HIGHEST);
+    // a to the same priority: it goes behind b and d.
+    queue.set_priority(&a, Priority::NORMAL);
+    // d via the fiber itself: no move while queued.
+    d.set_priority(Priority::LOWEST);
+    assert_eq!(d.priority(), Priority::LOWEST);
+
+    let order: Vec<char> = std::iter::from_fn(|| queue.try_pop())
+        .map(|f| f.run().unwrap().unwrap_returned())
+        .collect();
+    assert_eq!(order, ['c', 'b', 'd', 'a']);
+
+    // A fiber that is not queued just gets the new priority.
+    let e = fiber(Priority::NORMAL, || 'e');
+    queue.set_priority(&e, Priority(3));
+    assert_eq!(e.priority(), Priority(3));
+    assert!(queue.is_empty());
+
+    // At its next push e's new priority counts.
+    let f = fiber(Priority(1), || 'f');
+    let g = fiber(Priority::LOWEST, || 'g');
+    queue.try_push(g.clone()).unwrap();
+    queue.try_push(f.clone()).unwrap();
+    queue.try_push(e.clone()).unwrap();
+    let order: Vec<char> = std::iter::from_fn(|| queue.try_pop())
+        .map(|f| f.run().unwrap().unwrap_returned())
+        .collect();
+    assert_eq!(order, ['e', 'f', 'g']);
+}
+
+/// `run_popped` puts a yielded fiber back in one call, leaves a returned or
+/// sleeping one out; `requeue` leaves a fiber that is not Ready alone.
+#[test]
+fn run_popped_requeues_only_yielded_fibers() {
+    watchdog("run_popped_requeues_only_yielded_fibers", 30, |_stage| {
+        let queue = RunQueue::<u32>::new(2);
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            yield_now();
+            s.acquire();
+            7
+        });
+        queue.try_push(f.clone()).unwrap();
+
+        let ran = queue.run_popped(queue.try_pop().unwrap());
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Yielded(0))));
+        assert_eq!(queue.len(), 1, "a yielded fiber goes back");
+        assert_eq!(f.state(), FiberState::Queued);
+
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        assert!(queue.is_empty(), "a sleeping fiber belongs to the semaphore");
+        queue.requeue(&f);
+        assert!(queue.is_empty(), "requeue ignores a sleeping fiber");
+        assert_eq!(f.state(), FiberState::Sleeping);
+
+        sem.release(1);
+        assert_eq!(queue.len(), 1, "the wake brought it back");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(7))));
+        assert!(Fiber::ptr_eq(&ran.fiber, &f));
+        assert!(queue.is_empty());
+        queue.requeue(&f);
+        assert!(queue.is_empty(), "requeue ignores a finished fiber");
+
+        let stats = queue.stats();
+        assert_eq!((stats.pushes, stats.pops, stats.wakes), (3, 3, 1));
+    });
+}
+
+/// An idle `pop_timeout` parks and gives up after its timeout.
+#[test]
+fn pop_timeout_on_an_empty_queue_times_out() {
+    watchdog("pop_timeout_on_an_empty_queue_times_out", 30, |_stage| {
+        let queue = RunQueue::<()>::new(4);
+        let timeout = Duration::from_millis(50);
+        let start = Instant::now();
+        assert!(queue.pop_timeout(timeout).is_none());
+        let waited = start.elapsed();
+        assert!(
+            waited >= timeout,
+            "returned after {waited:?}, before the {timeout:?} timeout"
+        );
+        let stats = queue.stats();
+        assert!(stats.parks >= 1, "an idle popper parks: {stats:?}");
+        assert_eq!(stats.empty_pops, 1);
+        assert_eq!(stats.pops, 0);
+
+        // A queued fiber is returned at once.
+        queue.try_push(fiber(Priority::NORMAL, || ())).unwrap();
+        let popped = queue
+            .pop_timeout(Duration::from_secs(3600))
+            .expect("a queued fiber");
+        assert_eq!(popped.state(), FiberState::Ready);
+    });
+}
+
+/// A popper parked in `pop_timeout` gets a fiber pushed by another thread
+/// while it waits.
+#[test]
+fn pop_timeout_returns_a_fiber_pushed_while_it_waits() {
+    watchdog("pop_timeout_returns_a_fiber_pushed_while_it_waits", 30, |stage| {
+        let queue = RunQueue::<u64>::new(4);
+        let q = queue.clone();
+        let popper = thread::spawn(move || {
+            let start = Instant::now();
+            let f = q.pop_timeout(Duration::from_secs(600));
+            let waited = start.elapsed();
+            let value = f
+                .as_ref()
+                .map(|f| q.run_popped(f.clone()).outcome.unwrap().unwrap_returned());
+            (f, value, waited)
+        });
+        stage.set("waiting for the popper to park (stats().parks > 0)");
+        spin_until(|| queue.stats().parks > 0);
+        let pushed = fiber(Priority::NORMAL, || 99);
+        queue.try_push(pushed.clone()).unwrap();
+        stage.set("waiting for the parked popper to return the pushed fiber");
+        let (popped, value, waited) = popper.join().unwrap();
+        let popped = popped.expect("the parked popper should get the pushed fiber, not time out");
+        assert!(Fiber::ptr_eq(&popped, &pushed));
+        assert_eq!(value, Some(99));
+        assert!(waited < Duration::from_secs(600));
+        let stats = queue.stats();
+        assert_eq!((stats.pushes, stats.pops), (1, 1));
+    });
+}
+
+/// `Duration::MAX` means "wait as long as it takes": the popper parks and
+/// gets a fiber pushed later, instead of overflowing the deadline.
+#[test]
+fn pop_timeout_with_an_unbounded_timeout_waits_for_a_push() {
+    watchdog(
+        "pop_timeout_with_an_unbounded_timeout_waits_for_a_push",
+        30,
+        |stage| {
+            let queue = RunQueue::<u64>::new(1);
+            let q = queue.clone();
+            let popper = thread::spawn(move || q.pop_timeout(Duration::MAX).is_some());
+            stage.set("waiting for the popper to park (or to fail)");
+            spin_until(|| queue.stats().parks > 0 || popper.is_finished());
+            queue.try_push(fiber(Priority::NORMAL, || 1)).unwrap();
+            stage.set("waiting for the parked popper to return the pushed fiber");
+            match popper.join() {
+                Ok(got) => assert!(got, "the popper should get the pushed fiber"),
+                Err(_) => {
+                    panic!("pop_timeout(Duration::MAX) panicked instead of waiting (deadline overflow?)")
+                }
+            }
+        },
+    );
+}
+
+/// Several parked poppers and as many pushes from another thread: every
+/// fiber is popped once, no popper is left waiting for its full timeout.
+#[test]
+fn parked_poppers_each_get_one_fiber() {
+    const POPPERS: usize = 4;
+    watchdog("parked_poppers_each_get_one_fiber", 30, |stage| {
+        let queue = RunQueue::<usize>::new(POPPERS);
+        let poppers: Vec<_> = (0..POPPERS)
+            .map(|_| {
+                let q = queue.clone();
+                thread::spawn(move || q.pop_timeout(Duration::from_secs(600)))
+            })
+            .collect();
+        stage.set("waiting for all poppers to park");
+        spin_until(|| queue.stats().parks >= POPPERS as u64);
+        for i in 0..POPPERS {
+            queue.try_push(fiber(Priority::NORMAL, move || i)).unwrap();
+        }
+        stage.set("waiting for every parked popper to get a fiber");
+        let mut got: Vec<usize> = poppers
+            .into_iter()
+            .map(|p| {
+                let f = p.join().unwrap().expect("each popper gets a fiber");
+                f.run().unwrap().unwrap_returned()
+            })
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, (0..POPPERS).collect::<Vec<_>>());
+    });
+}
+
+/// Dropping the last handle of a queue that still holds fibers releases
+/// them (and whatever their functions captured).
+#[test]
+fn dropping_a_queue_releases_the_fibers_in_it() {
+    let drops = DropCounter::default();
+    let queue = RunQueue::<u64>::new(4);
+    for i in 0..3 {
+        let v = drops.make(i);
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                let v = v; // capture the whole value, not just its field
+                v.1
+            }))
+            .unwrap();
+    }
+    assert_eq!(drops.drops(), 0);
+    drop(queue);
+    assert_eq!(
+        drops.drops(),
+        3,
+        "the fibers left in a dropped queue (and their captured values) were leaked"
+    );
+}

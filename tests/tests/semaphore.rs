@@ -1,0 +1,339 @@
+//! The semaphore on one thread: fibers sleep when there is no token, are
+//! woken onto their run queue in FIFO order, and take the token handed to
+//! them.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::{fiber, named_fiber, watchdog};
+use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::Semaphore;
+
+/// The issue's flow: `try_acquire` on zero tokens fails; a fiber acquiring
+/// sleeps; running it while it sleeps is an error; `release(1)` wakes it
+/// onto its run queue and it holds the token.
+#[test]
+fn a_fiber_sleeps_on_an_empty_semaphore_and_release_wakes_it() {
+    watchdog(
+        "a_fiber_sleeps_on_an_empty_semaphore_and_release_wakes_it",
+        30,
+        |stage| {
+            let sem = Arc::new(Semaphore::new(0));
+            assert!(!sem.try_acquire());
+            assert_eq!((sem.available(), sem.waiters()), (0, 0));
+
+            let queue = RunQueue::<&'static str>::new(4);
+            let s = sem.clone();
+            let f = fiber(Priority::NORMAL, move || {
+                s.acquire();
+                "acquired"
+            });
+            queue.try_push(f.clone()).unwrap();
+
+            stage.set("first run: the fiber should go to sleep");
+            let ran = queue.run_next().unwrap();
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+            assert_eq!(f.state(), FiberState::Sleeping);
+            assert!(queue.is_empty(), "a sleeping fiber is not in the run queue");
+            assert_eq!(sem.waiters(), 1);
+            assert_eq!(f.stats().sleeps, 1);
+
+            match f.run() {
+                Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
+                other => panic!("running a sleeping fiber gave {other:?}"),
+            }
+            assert_eq!(f.state(), FiberState::Sleeping, "the refused run changed nothing");
+
+            sem.release(1);
+            assert_eq!(f.state(), FiberState::Queued);
+            assert_eq!(queue.len(), 1, "the wake pushed the fiber back on its queue");
+            assert_eq!(queue.stats().wakes, 1);
+            assert_eq!(sem.waiters(), 0);
+            assert_eq!(
+                sem.available(),
+                0,
+                "the token went to the waiter, not to the pool"
+            );
+
+            stage.set("second run: the woken fiber should return");
+            let ran = queue.run_next().unwrap();
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("acquired"))));
+            assert!(Fiber::ptr_eq(&ran.fiber, &f));
+            assert!(queue.is_empty());
+            assert!(!sem.try_acquire(), "no token is left over");
+        },
+    );
+}
+
+/// Available tokens are taken without sleeping.
+#[test]
+fn available_tokens_are_taken_without_sleeping() {
+    watchdog("available_tokens_are_taken_without_sleeping", 30, |_stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        sem.release(2);
+        assert_eq!(sem.available(), 2);
+        let queue = RunQueue::<u32>::new(4);
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            s.acquire();
+            s.acquire();
+            2
+        });
+        queue.try_push(f.clone()).unwrap();
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(2))));
+        assert_eq!(f.stats().sleeps, 0);
+        assert_eq!(sem.available(), 0);
+        assert!(!sem.try_acquire());
+
+        sem.release(1);
+        assert!(sem.try_acquire());
+        assert!(!sem.try_acquire());
+        let initial = Semaphore::new(3);
+        assert!(initial.try_acquire() && initial.try_acquire() && initial.try_acquire());
+        assert!(!initial.try_acquire());
+        assert_eq!(Semaphore::default().available(), 0);
+    });
+}
+
+/// `release(2)` wakes two waiters, oldest first; the third waits on until
+/// the next release; extra tokens stay available.
+#[test]
+fn release_wakes_waiters_in_fifo_order() {
+    watchdog("release_wakes_waiters_in_fifo_order", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let queue = RunQueue::<char>::new(8);
+        let fibers: Vec<Fiber<char>> = ['a', 'b', 'c']
+            .into_iter()
+            .map(|name| {
+                let s = sem.clone();
+                named_fiber(&name.to_string(), Priority::NORMAL, move || {
+                    s.acquire();
+                    name
+                })
+            })
+            .collect();
+        for f in &fibers {
+            queue.try_push(f.clone()).unwrap();
+        }
+        stage.set("putting a, b, c to sleep");
+        for _ in 0..3 {
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        }
+        assert_eq!(sem.waiters(), 3);
+
+        sem.release(2);
+        assert_eq!(sem.waiters(), 1);
+        assert_eq!(sem.available(), 0);
+        assert_eq!(queue.len(), 2);
+        assert_eq!(
+            fibers[2].state(),
+            FiberState::Sleeping,
+            "c waits for the next release"
+        );
+        stage.set("running the two woken fibers");
+        let order: Vec<char> = std::iter::from_fn(|| queue.run_next())
+            .map(|ran| ran.outcome.unwrap().unwrap_returned())
+            .collect();
+        assert_eq!(order, ['a', 'b']);
+
+        sem.release(3);
+        assert_eq!(sem.waiters(), 0);
+        assert_eq!(sem.available(), 2, "tokens beyond the waiters stay available");
+        let ran = queue.run_next().unwrap();
+        assert_eq!(ran.outcome.unwrap().unwrap_returned(), 'c');
+        assert_eq!(queue.stats().wakes, 3);
+    });
+}
+
+/// Many sleepers, one `release(1)` at a time: woken in the order they went
+/// to sleep.
+#[test]
+fn single_releases_wake_many_sleepers_in_order() {
+    const N: usize = 64;
+    watchdog("single_releases_wake_many_sleepers_in_order", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let queue = RunQueue::<usize>::new(N);
+        for i in 0..N {
+            let s = sem.clone();
+            queue
+                .try_push(fiber(Priority::NORMAL, move || {
+                    s.acquire();
+                    i
+                }))
+                .unwrap();
+        }
+        stage.set("putting all fibers to sleep");
+        while let Some(ran) = queue.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        assert_eq!(sem.waiters(), N);
+        stage.set("releasing one token at a time");
+        for i in 0..N {
+            sem.release(1);
+            assert_eq!(queue.len(), 1);
+            let ran = queue.run_next().unwrap();
+            assert_eq!(ran.outcome.unwrap().unwrap_returned(), i);
+        }
+        assert_eq!((sem.waiters(), sem.available()), (0, 0));
+    });
+}
+
+/// `acquire_with_priority`: a fiber that had to wait is woken at the given
+/// priority, ahead of fibers already queued at a lower one. A fiber that
+/// did not wait keeps its priority.
+#[test]
+fn acquire_with_priority_sets_the_woken_fibers_priority() {
+    watchdog(
+        "acquire_with_priority_sets_the_woken_fibers_priority",
+        30,
+        |stage| {
+            let sem = Arc::new(Semaphore::new(0));
+            let queue = RunQueue::<&'static str>::new(4);
+            let s = sem.clone();
+            let urgent = fiber(Priority::LOWEST, move || {
+                s.acquire_with_priority(Priority::HIGHEST);
+                "urgent"
+            });
+            queue.try_push(urgent.clone()).unwrap();
+            stage.set("putting the urgent fiber to sleep");
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+            assert_eq!(urgent.priority(), Priority::LOWEST, "unchanged while asleep");
+
+            let normal = fiber(Priority::NORMAL, || "normal");
+            queue.try_push(normal).unwrap();
+            sem.release(1);
+            assert_eq!(urgent.priority(), Priority::HIGHEST);
+            let order: Vec<&str> = std::iter::from_fn(|| queue.run_next())
+                .map(|ran| ran.outcome.unwrap().unwrap_returned())
+                .collect();
+            assert_eq!(order, ["urgent", "normal"]);
+
+            // With a token available there is no wait and no priority change.
+            sem.release(1);
+            let s = sem.clone();
+            let calm = fiber(Priority(5), move || {
+                s.acquire_with_priority(Priority::HIGHEST);
+                "calm"
+            });
+            assert_eq!(calm.run().unwrap().unwrap_returned(), "calm");
+            assert_eq!(calm.priority(), Priority(5));
+        },
+    );
+}
+
+/// Wakes are never refused for capacity: a woken fiber goes back even to a
+/// queue that `try_push` considers full.
+#[test]
+fn a_wake_is_not_refused_by_a_full_queue() {
+    watchdog("a_wake_is_not_refused_by_a_full_queue", 30, |_stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let queue = RunQueue::<u8>::new(1);
+        let s = sem.clone();
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                s.acquire();
+                1
+            }))
+            .unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        queue.try_push(fiber(Priority::NORMAL, || 2)).unwrap();
+        assert!(
+            queue.try_push(fiber(Priority::NORMAL, || 3)).is_err(),
+            "full for try_push"
+        );
+        sem.release(1);
+        assert_eq!(queue.len(), 2, "the woken fiber is back despite the capacity");
+        let order: Vec<u8> = std::iter::from_fn(|| queue.run_next())
+            .map(|ran| ran.outcome.unwrap().unwrap_returned())
+            .collect();
+        assert_eq!(order, [2, 1]);
+    });
+}
+
+/// A fiber that sleeps more than once (the original's "woken before
+/// sleeping" flag was never reset, which broke the second sleep).
+#[test]
+fn a_fiber_can_sleep_many_times() {
+    const ROUNDS: usize = 1000;
+    watchdog("a_fiber_can_sleep_many_times", 30, |_stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let queue = RunQueue::<usize>::new(1);
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            for _ in 0..ROUNDS {
+                s.acquire();
+            }
+            ROUNDS
+        });
+        queue.try_push(f.clone()).unwrap();
+        for round in 0..ROUNDS {
+            let ran = queue.run_next().unwrap();
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "round {round}");
+            assert!(queue.is_empty());
+            sem.release(1);
+        }
+        assert_eq!(
+            queue.run_next().unwrap().outcome.unwrap().unwrap_returned(),
+            ROUNDS
+        );
+        assert_eq!(f.stats().sleeps, ROUNDS as u64);
+        assert_eq!(queue.stats().wakes, ROUNDS as u64);
+    });
+}
+
+/// Two fibers on one thread play ping-pong through two semaphores: every
+/// round each sleeps once and wakes the other; the turns alternate exactly.
+#[test]
+fn two_fibers_ping_pong_on_one_thread() {
+    const ROUNDS: usize = 2000;
+    watchdog("two_fibers_ping_pong_on_one_thread", 30, |stage| {
+        let ping = Arc::new(Semaphore::new(0));
+        let pong = Arc::new(Semaphore::new(0));
+        let log = Arc::new(Mutex::new(Vec::with_capacity(2 * ROUNDS)));
+        let queue = RunQueue::<usize>::new(2);
+        let (p, q, l) = (ping.clone(), pong.clone(), log.clone());
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                for r in 0..ROUNDS {
+                    l.lock().unwrap().push(('A', r));
+                    p.release(1);
+                    q.acquire();
+                }
+                ROUNDS
+            }))
+            .unwrap();
+        let (p, q, l) = (ping.clone(), pong.clone(), log.clone());
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                for r in 0..ROUNDS {
+                    p.acquire();
+                    l.lock().unwrap().push(('B', r));
+                    q.release(1);
+                }
+                ROUNDS
+            }))
+            .unwrap();
+        stage.set("running the ping-pong by hand");
+        let returned = AtomicUsize::new(0);
+        while let Some(ran) = queue.run_next() {
+            match ran.outcome {
+                Ok(RunOutcome::Slept) => {}
+                Ok(RunOutcome::Returned(n)) => {
+                    assert_eq!(n, ROUNDS);
+                    returned.fetch_add(1, Ordering::Relaxed);
+                }
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        assert_eq!(returned.load(Ordering::Relaxed), 2, "both fibers finished");
+        let log = log.lock().unwrap();
+        let expected: Vec<(char, usize)> = (0..ROUNDS).flat_map(|r| [('A', r), ('B', r)]).collect();
+        assert_eq!(*log, expected);
+        assert_eq!((ping.available(), pong.available()), (0, 0));
+        assert_eq!((ping.waiters(), pong.waiters()), (0, 0));
+    });
+}
