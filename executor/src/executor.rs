@@ -189,41 +189,50 @@ impl Handle {
         F: FnOnce() -> T + Send + 'static,
         T: Send + 'static,
     {
-        let cell = TaskCell::<T>::new(options.name);
-        let slot = Arc::clone(&cell);
-        let run = Box::new(move || {
-            let value = f();
-            *slot.result.lock() = Some(value);
-        });
-        self.push(run, TaskCell::erase(&cell), options.priority);
-        JoinHandle {
-            cell,
-            shared: Arc::clone(&self.shared),
-            _not_sync: PhantomData,
-        }
+        // SAFETY: F and T are 'static: nothing borrowed to keep alive.
+        let task = unsafe { TaskCell::create(options.name, f) };
+        self.push(task.clone(), options.priority);
+        JoinHandle::from_parts(task, Arc::clone(&self.shared))
     }
 
-    pub(crate) fn push(&self, run: Box<dyn FnOnce() + Send>, task: TaskRef, priority: Priority) {
+    /// Queues a task: onto the caller's own worker if called from one of
+    /// this executor's fibers, else round-robin over the workers.
+    pub(crate) fn push(&self, task: TaskRef, priority: Priority) {
         let shared = &self.shared;
         assert!(
             !shared.shutdown.load(Ordering::Acquire),
             "spindle-executor: spawn on an executor that is shutting down"
         );
-        shared.live.fetch_add(1, Ordering::AcqRel);
         shared.stats.spawned.fetch_add(1, Ordering::Relaxed);
-        shared.push_fresh(Job { run, task, priority });
+        let job = Job { task, priority };
+        match crate::worker::current_worker() {
+            Some(w) if Arc::ptr_eq(&w.shared, shared) => w.push_local(job),
+            _ => shared.push_fresh(job),
+        }
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> ExecutorStats {
         let c = &self.shared.stats;
+        let sum = |f: fn(&crate::shared::WorkerCounters) -> &std::sync::atomic::AtomicU64| -> u64 {
+            self.shared
+                .workers
+                .iter()
+                .map(|w| f(&w.hot.counters).load(Ordering::Relaxed))
+                .sum()
+        };
         ExecutorStats {
             spawned: c.spawned.load(Ordering::Relaxed),
-            completed: c.completed.load(Ordering::Relaxed),
-            cancelled: c.cancelled.load(Ordering::Relaxed),
-            steals: c.steals.load(Ordering::Relaxed),
-            inbox_handoffs: c.inbox_handoffs.load(Ordering::Relaxed),
-            parks: c.parks.load(Ordering::Relaxed),
+            completed: sum(|w| &w.completed) + c.completed_outside.load(Ordering::Relaxed),
+            cancelled: sum(|w| &w.cancelled) + c.completed_outside.load(Ordering::Relaxed),
+            steals: sum(|w| &w.steals),
+            inbox_handoffs: self
+                .shared
+                .workers
+                .iter()
+                .map(|w| w.inbox.handoffs.load(Ordering::Relaxed))
+                .sum(),
+            parks: sum(|w| &w.parks),
             scale_ups: c.scale_ups.load(Ordering::Relaxed),
             scale_downs: c.scale_downs.load(Ordering::Relaxed),
             workers: self.shared.active.load(Ordering::Relaxed),
@@ -261,11 +270,12 @@ impl Drop for Executor {
         // Jobs that never started: drop them and fail their joins.
         for q in shared.global.iter() {
             while let Some(job) = crate::shared::steal_one(q) {
+                // SAFETY: we took the job from the queue; it never runs.
+                unsafe { job.task.drop_job() };
                 let name = job.task.name.clone();
-                let task = job.task.clone();
-                drop(job);
-                task.complete(Some(JoinError::Cancelled { fiber: None, name }));
-                shared.live.fetch_sub(1, Ordering::AcqRel);
+                job.task
+                    .complete(Some(JoinError::Cancelled { fiber: None, name }));
+                shared.stats.completed_outside.fetch_add(1, Ordering::Release);
             }
         }
         if shared.config.stats_at_shutdown {
@@ -307,42 +317,43 @@ pub struct ExecutorStats {
 /// thread it blocks the thread (no busy wait). Dropping the handle detaches
 /// the fiber.
 pub struct JoinHandle<T> {
-    cell: Arc<TaskCell<T>>,
+    task: TaskRef,
     shared: Arc<Shared>,
-    _not_sync: PhantomData<std::cell::Cell<()>>,
+    _value: PhantomData<(T, std::cell::Cell<()>)>,
 }
 
 impl<T> JoinHandle<T> {
-    pub(crate) fn from_parts(cell: Arc<TaskCell<T>>, shared: Arc<Shared>) -> JoinHandle<T> {
+    /// `task` must have been created as a `TaskCell<T, _>`.
+    pub(crate) fn from_parts(task: TaskRef, shared: Arc<Shared>) -> JoinHandle<T> {
         JoinHandle {
-            cell,
+            task,
             shared,
-            _not_sync: PhantomData,
+            _value: PhantomData,
         }
     }
 }
 
-impl<T: Send + 'static> JoinHandle<T> {
+impl<T: Send> JoinHandle<T> {
     /// Waits for the fiber and returns its value, or why there is none.
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
-        let task = &self.cell;
+        let task = &self.task;
         if !task.finished.load(Ordering::Acquire) {
             if spindle_fiber::in_fiber() {
                 task.done.acquire();
             } else {
                 // A blocked thread: visible to deadlock detection.
-                let me = TaskCell::erase(task);
-                self.shared.blocked_joiners.lock().push(me);
+                self.shared.blocked_joiners.lock().push(task.clone());
                 self.shared.sysmon_unparker.unpark();
                 task.done.acquire();
                 let mut joiners = self.shared.blocked_joiners.lock();
-                if let Some(i) = joiners.iter().position(|t| std::ptr::eq(&**t, &***task)) {
+                if let Some(i) = joiners.iter().position(|t| std::ptr::eq(&**t, &**task)) {
                     joiners.swap_remove(i);
                 }
             }
         }
-        if let Some(v) = task.result.lock().take() {
+        // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
+        if let Some(v) = unsafe { task.prefix::<T>() }.result.lock().take() {
             return Ok(v);
         }
         Err(task.error.lock().take().unwrap_or_else(|| JoinError::Deadlock {
@@ -357,14 +368,14 @@ impl<T: Send + 'static> JoinHandle<T> {
     /// asleep in `sleep` or `yield_timeout` is woken at once; one asleep on
     /// a `spindle-sync` primitive is unwound when that wakes it.
     pub fn cancel(&self) {
-        self.cell.cancelled.store(true, Ordering::Release);
+        self.task.cancelled.store(true, Ordering::Release);
         self.wake();
     }
 
     /// Ends a [`yield_timeout`](crate::yield_timeout) of the fiber early
     /// (Tarantool's `fiber_wakeup`). No effect otherwise.
     pub fn wake(&self) {
-        let waiter = self.cell.sleep.lock().waiter.take();
+        let waiter = self.task.sleep.lock().waiter.take();
         if let Some(w) = waiter {
             w.wake();
         }
@@ -372,21 +383,21 @@ impl<T: Send + 'static> JoinHandle<T> {
 
     /// Whether the fiber has completed.
     pub fn is_finished(&self) -> bool {
-        self.cell.finished.load(Ordering::Acquire)
+        self.task.finished.load(Ordering::Acquire)
     }
 
     /// The fiber's id, once it has started.
     pub fn fiber_id(&self) -> Option<FiberId> {
-        self.cell.started_fiber.get().copied()
+        self.task.started_fiber.get().copied()
     }
 }
 
 impl<T> fmt::Debug for JoinHandle<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JoinHandle")
-            .field("name", &self.cell.name)
-            .field("fiber", &self.cell.started_fiber.get())
-            .field("finished", &self.cell.finished.load(Ordering::Relaxed))
+            .field("name", &self.task.name)
+            .field("fiber", &self.task.started_fiber.get())
+            .field("finished", &self.task.finished.load(Ordering::Relaxed))
             .finish()
     }
 }

@@ -18,10 +18,10 @@ pub(crate) fn current_task() -> Option<(usize, &'static crate::worker::WorkerCtx
     let w = current_worker()?;
     let me = spindle_fiber::current()?.id().as_u64();
     let ws = w.me();
-    if ws.running_fiber.load(Ordering::Relaxed) != me {
+    if ws.hot.running_fiber.load(Ordering::Relaxed) != me {
         return None;
     }
-    let raw = ws.running_task.load(Ordering::Relaxed);
+    let raw = ws.hot.running_task.load(Ordering::Relaxed);
     (raw != 0).then_some((raw, w))
 }
 

@@ -60,7 +60,7 @@ pub struct ScopedJoinHandle<'scope, T> {
     _scope: PhantomData<&'scope ()>,
 }
 
-impl<T: Send + 'static> ScopedJoinHandle<'_, T> {
+impl<T: Send> ScopedJoinHandle<'_, T> {
     /// Waits for the fiber; see [`JoinHandle::join`].
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
@@ -78,7 +78,7 @@ impl<'scope> Scope<'scope, '_> {
     pub fn spawn<F, T>(&'scope self, f: F) -> ScopedJoinHandle<'scope, T>
     where
         F: FnOnce() -> T + Send + 'scope,
-        T: Send + 'static,
+        T: Send + 'scope,
     {
         self.spawn_with(SpawnOptions::default(), f)
     }
@@ -87,27 +87,23 @@ impl<'scope> Scope<'scope, '_> {
     pub fn spawn_with<F, T>(&'scope self, options: SpawnOptions, f: F) -> ScopedJoinHandle<'scope, T>
     where
         F: FnOnce() -> T + Send + 'scope,
-        T: Send + 'static,
+        T: Send + 'scope,
     {
         self.state.pending.fetch_add(1, Ordering::AcqRel);
         let finish = Finish(Arc::clone(&self.state));
-        let cell = TaskCell::<T>::new(options.name.clone());
-        let slot = Arc::clone(&cell);
-        let run: Box<dyn FnOnce() + Send + 'scope> = Box::new(move || {
+        let body = move || {
             let _finish = finish;
-            let value = f();
-            *slot.result.lock() = Some(value);
-        });
+            f()
+        };
         // SAFETY: the closure may borrow data of lifetime 'scope. `scope`
         // does not return (nor unwind past its frame) before `pending` is
         // zero, i.e. before every such closure has been run or dropped
         // (`Finish` is dropped with the closure in every case). So the
         // borrows outlive every use, as with std::thread::scope.
-        let run: Box<dyn FnOnce() + Send + 'static> = unsafe { std::mem::transmute(run) };
-        self.handle
-            .push(run, TaskCell::erase(&cell), options_priority(&options));
+        let task = unsafe { TaskCell::create(options.name.clone(), body) };
+        self.handle.push(task.clone(), options_priority(&options));
         ScopedJoinHandle {
-            inner: JoinHandle::from_parts(cell, Arc::clone(&self.handle.shared)),
+            inner: JoinHandle::from_parts(task, Arc::clone(&self.handle.shared)),
             _scope: PhantomData,
         }
     }

@@ -36,12 +36,15 @@
 //! worker's step 2 sees the pushed fiber, or the notifier's step 3 sees
 //! `parked == true` and unparks it.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle as ThreadHandle;
 
-use crossbeam_deque::{Injector, Steal};
+use crossbeam_deque::{Injector, Steal, Stealer, Worker};
 use crossbeam_utils::sync::{Parker, Unparker};
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use spindle_fiber::{Fiber, FiberId, Priority, Schedule};
 
@@ -63,10 +66,10 @@ pub(crate) fn class_of(p: Priority) -> usize {
 /// A started fiber (pinned to the worker that started it).
 pub(crate) type Task = Fiber<()>;
 
-/// A spawned job that has not started yet: no fiber or stack is allocated
-/// until a worker starts it, so any number of spawns can be queued.
+/// A spawned task that has not started yet: no fiber or stack is
+/// allocated until a worker starts it, so any number of spawns can be
+/// queued. The closure lives in the task itself (one allocation per spawn).
 pub(crate) struct Job {
-    pub(crate) run: Box<dyn FnOnce() + Send>,
     pub(crate) task: TaskRef,
     pub(crate) priority: Priority,
 }
@@ -77,62 +80,109 @@ pub(crate) struct ClassQueues {
     pub(crate) q: [std::collections::VecDeque<Task>; CLASSES],
 }
 
-/// Counters, on request and at shutdown.
+/// Executor-wide counters (rarely written, or written by spawners only).
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub(crate) spawned: AtomicU64,
-    pub(crate) completed: AtomicU64,
-    pub(crate) steals: AtomicU64,
-    pub(crate) inbox_handoffs: AtomicU64,
-    pub(crate) parks: AtomicU64,
+    /// Written by spawners: on its own cache line, away from the workers.
+    pub(crate) spawned: CachePadded<AtomicU64>,
+    /// Tasks completed outside the workers (shutdown).
+    pub(crate) completed_outside: AtomicU64,
     pub(crate) scale_ups: AtomicU64,
     pub(crate) scale_downs: AtomicU64,
     pub(crate) peak_workers: AtomicUsize,
-    pub(crate) cancelled: AtomicU64,
     pub(crate) deadlocks: AtomicU64,
+}
+
+/// Counters written by one worker only (plain load + store), summed on
+/// request.
+#[derive(Default)]
+pub(crate) struct WorkerCounters {
+    pub(crate) completed: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) steals: AtomicU64,
+    pub(crate) parks: AtomicU64,
+}
+
+impl WorkerCounters {
+    #[inline]
+    pub(crate) fn bump(c: &AtomicU64) {
+        c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+}
+
+/// Fields the worker writes all the time, on their own cache line so that
+/// spawners and wakers touching `parked` or the queues do not bounce them.
+#[derive(Default)]
+pub(crate) struct Hot {
+    /// Bumped by the worker once per scheduling round; read by sysmon.
+    pub(crate) heartbeat: AtomicU64,
+    /// The fiber this worker is running and its task (raw `TaskRef`):
+    /// written by the worker before each run, read by that fiber on the same
+    /// thread, to tell the executor's own fibers from fibers nested in them.
+    pub(crate) running_fiber: AtomicU64,
+    pub(crate) running_task: AtomicUsize,
+    pub(crate) counters: WorkerCounters,
 }
 
 /// One worker's shared half.
 pub(crate) struct WorkerShared {
     pub(crate) index: usize,
     pub(crate) fresh: [Injector<Job>; CLASSES],
-    pub(crate) inbox: Mutex<ClassQueues>,
-    /// Number of fibers in the inbox (a hint to skip the lock).
-    pub(crate) inbox_len: AtomicUsize,
-    pub(crate) unparker: Unparker,
+    pub(crate) inbox: Arc<Inbox>,
     /// The parker, taken by the thread when it starts.
     pub(crate) parker: Mutex<Option<Parker>>,
-    /// Parking protocol flag (see module docs).
-    pub(crate) parked: AtomicBool,
+    /// Stealers of the worker's local deques (the deques themselves belong
+    /// to the worker thread).
+    pub(crate) stealers: [Stealer<Job>; CLASSES],
+    pub(crate) hot: CachePadded<Hot>,
     /// Takes fresh work (base workers, and extra ones while scaled up).
     pub(crate) active: AtomicBool,
     /// The thread has been started.
     pub(crate) started: AtomicBool,
-    /// Bumped by the worker once per batch; read by sysmon.
-    pub(crate) heartbeat: AtomicU64,
     /// Set by sysmon when the running fiber overran its time slice; read and
     /// cleared by `yield_if_needed` and by the worker between fibers.
     pub(crate) preempt: AtomicBool,
     /// Fibers of this worker that sleep, for deadlock reports. Written by
     /// the worker, read by sysmon.
-    pub(crate) sleeping: Mutex<std::collections::HashMap<FiberId, Task>>,
-    /// The fiber this worker is running and its task (raw `TaskRef`):
-    /// written by the worker before each run, read by that fiber on the same
-    /// thread, to tell the executor's own fibers from fibers nested in them.
-    pub(crate) running_fiber: AtomicU64,
-    pub(crate) running_task: AtomicUsize,
+    pub(crate) sleeping: Mutex<HashMap<FiberId, Task, BuildHasherDefault<IdHasher>>>,
+    /// The worker's local deques, taken by its thread when it starts.
+    pub(crate) locals: Mutex<Option<[Worker<Job>; CLASSES]>>,
     /// The wake seam for fibers pinned to this worker.
     pub(crate) home: Arc<dyn Schedule<()>>,
 }
 
 impl WorkerShared {
     pub(crate) fn has_fresh(&self) -> bool {
-        self.fresh.iter().any(|q| !q.is_empty())
+        self.fresh.iter().any(|q| !q.is_empty()) || self.stealers.iter().any(|q| !q.is_empty())
     }
 
     /// Unparks the worker if it is parked (notifier step 3).
     pub(crate) fn notify(&self) -> bool {
-        if self.parked.swap(false, Ordering::SeqCst) {
+        self.inbox.notify()
+    }
+}
+
+/// A worker's inbox: started fibers woken by other threads. It is also
+/// the worker's wake seam (the `home` of every fiber pinned to it), so it
+/// is its own allocation: a woken fiber reaches it without touching the
+/// rest of the executor.
+pub(crate) struct Inbox {
+    #[cfg_attr(not(feature = "tracing"), allow(dead_code))]
+    pub(crate) index: usize,
+    pub(crate) queues: Mutex<ClassQueues>,
+    /// Number of fibers queued (a hint to skip the lock).
+    pub(crate) len: AtomicUsize,
+    /// Parking protocol flag (see module docs).
+    pub(crate) parked: CachePadded<AtomicBool>,
+    pub(crate) unparker: Unparker,
+    pub(crate) handoffs: AtomicU64,
+}
+
+impl Inbox {
+    /// Unparks the worker if it is parked (notifier step 3). Loads before
+    /// swapping so that the common case (awake) does not take the line.
+    pub(crate) fn notify(&self) -> bool {
+        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
             crate::trace_event!(worker = self.index, "unpark");
             self.unparker.unpark();
             true
@@ -142,27 +192,15 @@ impl WorkerShared {
     }
 }
 
-/// The seam: a woken fiber goes back to the inbox of its worker.
-pub(crate) struct WorkerHome {
-    pub(crate) shared: Weak<Shared>,
-    pub(crate) index: usize,
-}
-
-impl Schedule<()> for WorkerHome {
+impl Schedule<()> for Inbox {
+    /// The seam: a woken fiber goes back to the inbox of its worker.
     fn schedule(&self, fiber: Task) {
-        let Some(shared) = self.shared.upgrade() else {
-            // The executor is gone; dropping the fiber here would unwind a
-            // pinned stack on the wrong thread, which Fiber's drop refuses
-            // (it leaks the stack instead).
-            return;
-        };
-        let w = &shared.workers[self.index];
         let class = class_of(fiber.priority());
-        w.inbox.lock().q[class].push_back(fiber);
-        w.inbox_len.fetch_add(1, Ordering::SeqCst);
-        shared.stats.inbox_handoffs.fetch_add(1, Ordering::Relaxed);
+        self.queues.lock().q[class].push_back(fiber);
+        self.len.fetch_add(1, Ordering::SeqCst);
+        self.handoffs.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
-        w.notify();
+        self.notify();
     }
 }
 
@@ -177,8 +215,6 @@ pub(crate) struct Shared {
     pub(crate) searching: AtomicUsize,
     /// Round-robin cursor for spawns.
     pub(crate) next_spawn: AtomicUsize,
-    /// Tasks spawned and not yet complete.
-    pub(crate) live: AtomicUsize,
     /// Threads blocked in `join`/`block_on`: their tasks, for deadlock
     /// detection.
     pub(crate) blocked_joiners: Mutex<Vec<TaskRef>>,
@@ -193,29 +229,33 @@ impl Shared {
     pub(crate) fn new(config: Config) -> (Arc<Shared>, Parker) {
         let sysmon_parker = Parker::new();
         let sysmon_unparker = sysmon_parker.unparker().clone();
-        let shared = Arc::new_cyclic(|weak: &Weak<Shared>| {
+        let shared = Arc::new({
             let workers = (0..config.max_workers)
                 .map(|index| {
                     let parker = Parker::new();
+                    let inbox = Arc::new(Inbox {
+                        index,
+                        queues: Mutex::new(ClassQueues::default()),
+                        len: AtomicUsize::new(0),
+                        parked: CachePadded::new(AtomicBool::new(false)),
+                        unparker: parker.unparker().clone(),
+                        handoffs: AtomicU64::new(0),
+                    });
+                    let locals: [Worker<Job>; CLASSES] = std::array::from_fn(|_| Worker::new_fifo());
+                    let stealers = std::array::from_fn(|c| locals[c].stealer());
                     WorkerShared {
                         index,
                         fresh: Default::default(),
-                        inbox: Mutex::new(ClassQueues::default()),
-                        inbox_len: AtomicUsize::new(0),
-                        unparker: parker.unparker().clone(),
+                        home: inbox.clone(),
+                        inbox,
                         parker: Mutex::new(Some(parker)),
-                        parked: AtomicBool::new(false),
+                        stealers,
+                        hot: CachePadded::new(Hot::default()),
+                        locals: Mutex::new(Some(locals)),
                         active: AtomicBool::new(false),
                         started: AtomicBool::new(false),
-                        heartbeat: AtomicU64::new(0),
                         preempt: AtomicBool::new(false),
                         sleeping: Mutex::new(Default::default()),
-                        running_fiber: AtomicU64::new(0),
-                        running_task: AtomicUsize::new(0),
-                        home: Arc::new(WorkerHome {
-                            shared: weak.clone(),
-                            index,
-                        }),
                     }
                 })
                 .collect();
@@ -226,7 +266,6 @@ impl Shared {
                 active: AtomicUsize::new(0),
                 searching: AtomicUsize::new(0),
                 next_spawn: AtomicUsize::new(0),
-                live: AtomicUsize::new(0),
                 blocked_joiners: Mutex::new(Vec::new()),
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),
@@ -263,7 +302,7 @@ impl Shared {
     /// Is there any work a worker (`me`) could take?
     pub(crate) fn work_visible(&self, me: usize) -> bool {
         let w = &self.workers[me];
-        if w.inbox_len.load(Ordering::SeqCst) > 0 {
+        if w.inbox.len.load(Ordering::SeqCst) > 0 {
             return true;
         }
         if !w.active.load(Ordering::Relaxed) {
@@ -280,27 +319,24 @@ impl Shared {
             || self
                 .workers
                 .iter()
-                .any(|w| w.has_fresh() || w.inbox_len.load(Ordering::Relaxed) > 0)
+                .any(|w| w.has_fresh() || w.inbox.len.load(Ordering::Relaxed) > 0)
     }
 
     /// Steals one fresh fiber of `class` from another worker.
-    pub(crate) fn steal(&self, me: usize, class: usize, start: usize) -> Option<Job> {
+    pub(crate) fn steal(&self, me: usize, class: usize, start: usize, local: &Worker<Job>) -> Option<Job> {
         let n = self.workers.len();
         for k in 0..n {
             let v = (start + k) % n;
             if v == me {
                 continue;
             }
-            loop {
-                match self.workers[v].fresh[class].steal() {
-                    Steal::Success(t) => {
-                        self.stats.steals.fetch_add(1, Ordering::Relaxed);
-                        crate::trace_event!(worker = me, victim = v, "steal");
-                        return Some(t);
-                    }
-                    Steal::Empty => break,
-                    Steal::Retry => continue,
-                }
+            let victim = &self.workers[v];
+            let got = retry(|| victim.stealers[class].steal_batch_and_pop(local))
+                .or_else(|| retry(|| victim.fresh[class].steal_batch_and_pop(local)));
+            if let Some(t) = got {
+                WorkerCounters::bump(&self.workers[me].hot.counters.steals);
+                crate::trace_event!(worker = me, victim = v, "steal");
+                return Some(t);
             }
         }
         None
@@ -314,8 +350,8 @@ impl Shared {
     /// Wakes every thread (shutdown).
     pub(crate) fn wake_all(&self) {
         for w in self.workers.iter() {
-            w.parked.store(false, Ordering::SeqCst);
-            w.unparker.unpark();
+            w.inbox.parked.store(false, Ordering::SeqCst);
+            w.inbox.unparker.unpark();
         }
         self.sysmon_unparker.unpark();
     }
@@ -323,11 +359,50 @@ impl Shared {
 
 /// Pops one job from an injector.
 pub(crate) fn steal_one(q: &Injector<Job>) -> Option<Job> {
+    retry(|| q.steal())
+}
+
+/// Repeats a steal while it says `Retry`.
+pub(crate) fn retry<T>(mut f: impl FnMut() -> Steal<T>) -> Option<T> {
     loop {
-        match q.steal() {
+        match f() {
             Steal::Success(t) => return Some(t),
             Steal::Empty => return None,
             Steal::Retry => continue,
         }
+    }
+}
+
+impl Shared {
+    /// Tasks spawned and not yet complete.
+    pub(crate) fn live(&self) -> u64 {
+        let done: u64 = self
+            .workers
+            .iter()
+            .map(|w| w.hot.counters.completed.load(Ordering::Acquire))
+            .sum();
+        let outside = self.stats.completed_outside.load(Ordering::Acquire);
+        self.stats
+            .spawned
+            .load(Ordering::Acquire)
+            .saturating_sub(done + outside)
+    }
+}
+
+/// Fiber ids are unique and sequential: a multiplicative hash spreads them.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }

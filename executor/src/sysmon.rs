@@ -47,9 +47,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             if !w.started.load(Ordering::Acquire) {
                 continue;
             }
-            let beat = w.heartbeat.load(Ordering::Relaxed);
+            let beat = w.hot.heartbeat.load(Ordering::Relaxed);
             beats = beats.wrapping_add(beat);
-            let parked = w.parked.load(Ordering::SeqCst);
+            let parked = w.inbox.parked.load(Ordering::SeqCst);
             all_parked &= parked;
             if beat != seen.beat || parked {
                 seen.beat = beat;
@@ -77,7 +77,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             && !shared.blocked_joiners.lock().is_empty()
             && !shared.pending_work()
             && shared.timers.is_empty()
-            && shared.live.load(Ordering::Acquire) > 0;
+            && shared.live() > 0;
         if candidate {
             match deadlock_suspect {
                 Some(b) if b == beats => {

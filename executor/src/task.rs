@@ -3,6 +3,7 @@
 //! fibers are (a `repr(C)` head plus a vtable).
 
 use std::any::Any;
+use std::cell::UnsafeCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
@@ -119,14 +120,15 @@ pub(crate) struct SleepSlot {
     pub(crate) generation: u64,
 }
 
-struct TaskVTable {
+/// The erased head of every task. The function pointers are monomorphised
+/// for the task's value and closure types.
+pub(crate) struct TaskHead {
     retain: unsafe fn(NonNull<TaskHead>),
     release: unsafe fn(NonNull<TaskHead>),
-}
-
-/// The erased head of every task.
-pub(crate) struct TaskHead {
-    vtable: &'static TaskVTable,
+    /// Runs the closure (once) and stores its value.
+    run_job: unsafe fn(NonNull<TaskHead>),
+    /// Drops the closure without running it.
+    drop_job: unsafe fn(NonNull<TaskHead>),
     /// The fiber the task runs on, once started.
     pub(crate) started_fiber: OnceLock<FiberId>,
     pub(crate) name: Option<Arc<str>>,
@@ -141,29 +143,37 @@ pub(crate) struct TaskHead {
     pub(crate) sleep: Mutex<SleepSlot>,
 }
 
+/// The part of a task its `JoinHandle<T>` reads: a prefix of every
+/// `TaskCell<T, F>` (both `repr(C)`).
 #[repr(C)]
-pub(crate) struct TaskCell<T> {
+pub(crate) struct TaskPrefix<T> {
     head: TaskHead,
     pub(crate) result: Mutex<Option<T>>,
 }
 
-impl<T> std::ops::Deref for TaskCell<T> {
-    type Target = TaskHead;
-    fn deref(&self) -> &TaskHead {
-        &self.head
-    }
+/// A task: one allocation holding its head, its value slot and its closure.
+#[repr(C)]
+pub(crate) struct TaskCell<T, F> {
+    head: TaskHead,
+    result: Mutex<Option<T>>,
+    /// Taken once, by the worker that starts the task (or drops it).
+    job: UnsafeCell<Option<F>>,
 }
 
-impl<T: Send + 'static> TaskCell<T> {
-    const VTABLE: TaskVTable = TaskVTable {
-        retain: Self::retain,
-        release: Self::release,
-    };
-
-    pub(crate) fn new(name: Option<Arc<str>>) -> Arc<TaskCell<T>> {
-        Arc::new(TaskCell {
+impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
+    /// A new task and the typed handle to it.
+    ///
+    /// # Safety
+    /// If `F` or `T` borrow anything, the caller keeps it alive until the
+    /// task's closure has been run or dropped (the erased `TaskRef` hides
+    /// those lifetimes).
+    pub(crate) unsafe fn create(name: Option<Arc<str>>, f: F) -> TaskRef {
+        let cell: Arc<TaskCell<T, F>> = Arc::new(TaskCell {
             head: TaskHead {
-                vtable: &Self::VTABLE,
+                retain: Self::retain,
+                release: Self::release,
+                run_job: Self::run_job,
+                drop_job: Self::drop_job,
                 started_fiber: OnceLock::new(),
                 name,
                 cancelled: AtomicBool::new(false),
@@ -173,11 +183,9 @@ impl<T: Send + 'static> TaskCell<T> {
                 sleep: Mutex::new(SleepSlot::default()),
             },
             result: Mutex::new(None),
-        })
-    }
-
-    pub(crate) fn erase(this: &Arc<TaskCell<T>>) -> TaskRef {
-        let raw = Arc::into_raw(Arc::clone(this));
+            job: UnsafeCell::new(Some(f)),
+        });
+        let raw: *const TaskCell<T, F> = Arc::into_raw(cell);
         // SAFETY: Arc::into_raw is never null; the head is the first field.
         TaskRef(
             unsafe { NonNull::new_unchecked(raw as *mut TaskHead) },
@@ -186,13 +194,28 @@ impl<T: Send + 'static> TaskCell<T> {
     }
 
     unsafe fn retain(h: NonNull<TaskHead>) {
-        // SAFETY: h is the head of a live Arc<TaskCell<T>>.
-        unsafe { Arc::increment_strong_count(h.as_ptr() as *const TaskCell<T>) }
+        // SAFETY: h is the head of a live Arc<TaskCell<T, F>>.
+        unsafe { Arc::increment_strong_count(h.as_ptr() as *const Self) }
     }
 
     unsafe fn release(h: NonNull<TaskHead>) {
         // SAFETY: the caller owns one strong reference.
-        unsafe { drop(Arc::from_raw(h.as_ptr() as *const TaskCell<T>)) }
+        unsafe { drop(Arc::from_raw(h.as_ptr() as *const Self)) }
+    }
+
+    unsafe fn run_job(h: NonNull<TaskHead>) {
+        // SAFETY: h is the head of a live TaskCell<T, F>; the job slot is
+        // touched only by the one worker that starts or drops the task.
+        let cell = unsafe { &*(h.as_ptr() as *const Self) };
+        let f = unsafe { (*cell.job.get()).take() }.expect("a task's closure runs once");
+        let value = f();
+        *cell.result.lock() = Some(value);
+    }
+
+    unsafe fn drop_job(h: NonNull<TaskHead>) {
+        // SAFETY: as in run_job.
+        let cell = unsafe { &*(h.as_ptr() as *const Self) };
+        drop(unsafe { (*cell.job.get()).take() });
     }
 }
 
@@ -206,6 +229,35 @@ unsafe impl Send for TaskRef {}
 unsafe impl Sync for TaskRef {}
 
 impl TaskRef {
+    /// Runs the task's closure and stores its value.
+    ///
+    /// # Safety
+    /// Called once, by the worker that started the task.
+    pub(crate) unsafe fn run_job(&self) {
+        // SAFETY: the caller's contract.
+        unsafe { (self.run_job)(self.0) }
+    }
+
+    /// Drops the task's closure without running it (cancelled or shut down
+    /// before it started).
+    ///
+    /// # Safety
+    /// Called by the worker that holds the task's job, instead of running it.
+    pub(crate) unsafe fn drop_job(&self) {
+        // SAFETY: the caller's contract.
+        unsafe { (self.drop_job)(self.0) }
+    }
+
+    /// The typed part of the task.
+    ///
+    /// # Safety
+    /// The task was created as a `TaskCell<T, _>` of this `T`.
+    pub(crate) unsafe fn prefix<T>(&self) -> &TaskPrefix<T> {
+        // SAFETY: TaskCell<T, F> starts with the fields of TaskPrefix<T>
+        // (both repr(C)).
+        unsafe { &*(self.0.as_ptr() as *const TaskPrefix<T>) }
+    }
+
     /// The raw pointer, keeping the reference (for a fiber's sched word).
     pub(crate) fn into_raw(self) -> usize {
         let p = self.0.as_ptr() as usize;
@@ -253,7 +305,7 @@ impl TaskRef {
 impl Clone for TaskRef {
     fn clone(&self) -> TaskRef {
         // SAFETY: we own a strong reference.
-        unsafe { (self.vtable.retain)(self.0) };
+        unsafe { (self.retain)(self.0) };
         TaskRef(self.0, PhantomData)
     }
 }
@@ -261,7 +313,7 @@ impl Clone for TaskRef {
 impl Drop for TaskRef {
     fn drop(&mut self) {
         // SAFETY: we own a strong reference.
-        unsafe { (self.vtable.release)(self.0) }
+        unsafe { (self.release)(self.0) }
     }
 }
 

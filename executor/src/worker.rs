@@ -2,41 +2,59 @@
 //!
 //! Each round: take the next fiber, strictly by priority class (high, then
 //! normal, then low), and within a class alternate between fibers that
-//! already ran (yielded, or woken into the inbox) and fresh jobs (own queue,
-//! then the global queue, then stealing from other workers), so that
-//! neither starves the other. Nothing to do: search (spin) briefly, then
-//! park (the protocol is in `shared.rs`).
+//! already ran (yielded, or woken into the inbox) and fresh jobs (own local
+//! deque, own injector, the global queue, then stealing from other
+//! workers), so that neither starves the other. Nothing to do: search
+//! (spin) briefly, then park (the protocol is in `shared.rs`).
 
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crossbeam_deque::Worker as Deque;
 use crossbeam_utils::sync::Parker;
 use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
 
-use crate::shared::{class_of, steal_one, Job, Shared, Task, WorkerShared, CLASSES};
+use crate::shared::{class_of, retry, steal_one, Job, Shared, Task, WorkerCounters, WorkerShared, CLASSES};
 use crate::task::{Cancelled, JoinError, TaskRef};
 
-/// Rounds of polling before a worker parks.
-const SEARCH_ROUNDS: u32 = 32;
+/// Rounds of polling before a worker parks (each round scans every queue).
+const SEARCH_ROUNDS: u32 = 64;
 /// Finished, unnamed fibers a worker keeps to start the next jobs on.
-const FIBER_CACHE: usize = 32;
+const FIBER_CACHE: usize = 64;
 
 thread_local! {
     /// The worker running on this thread (null elsewhere).
     static CURRENT: Cell<*const WorkerCtx> = const { Cell::new(std::ptr::null()) };
 }
 
-/// What a fiber can reach of its worker.
+/// What a fiber can reach of its worker: lives as long as the worker
+/// thread's loop, on that thread only.
 pub(crate) struct WorkerCtx {
     pub(crate) shared: Arc<Shared>,
     pub(crate) index: usize,
+    /// Local FIFO deques of fresh jobs, one per class; others steal through
+    /// `WorkerShared::stealers`. `crossbeam_deque::Worker` is used through
+    /// `&self` on its own thread only: by the loop, and by fibers of this
+    /// worker spawning (the loop is suspended in `run` meanwhile).
+    pub(crate) locals: [Deque<Job>; CLASSES],
 }
 
 impl WorkerCtx {
     pub(crate) fn me(&self) -> &WorkerShared {
         &self.shared.workers[self.index]
+    }
+
+    /// Spawn from a fiber of this worker: onto the local deque, then make
+    /// sure someone will look if we stay busy (notifier steps).
+    pub(crate) fn push_local(&self, job: Job) {
+        let class = class_of(job.priority);
+        self.locals[class].push(job);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.searching.load(Ordering::SeqCst) == 0 {
+            self.shared.wake_one_parked();
+        }
     }
 }
 
@@ -65,8 +83,17 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         .lock()
         .take()
         .expect("a worker starts once");
+    let locals = shared.workers[index]
+        .locals
+        .lock()
+        .take()
+        .expect("a worker starts once");
     let mut w = Worker {
-        ctx: Box::new(WorkerCtx { shared, index }),
+        ctx: Box::new(WorkerCtx {
+            shared,
+            index,
+            locals,
+        }),
         resumed: Default::default(),
         cache: Vec::with_capacity(FIBER_CACHE),
         tick: 0,
@@ -97,11 +124,11 @@ impl Worker {
             if self.shared().shutdown.load(Ordering::Acquire) {
                 return;
             }
-            // Heartbeat: one relaxed store per scheduling round, read by
-            // sysmon to spot a worker stuck in one fiber.
-            let me = self.me();
-            me.heartbeat
-                .store(me.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            // Heartbeat: one relaxed store per scheduling round on a line of
+            // its own, read by sysmon to spot a worker stuck in one fiber.
+            let hot = &self.me().hot;
+            hot.heartbeat
+                .store(hot.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             match self.next() {
                 Some(n) => self.run_one(n),
                 None => self.idle(parker),
@@ -120,11 +147,16 @@ impl Worker {
                     return Some(Next::Resumed(t));
                 }
             }
-            if let Some(j) = steal_one(&self.me().fresh[class]) {
+            let ctx = &*self.ctx;
+            let local = &ctx.locals[class];
+            if let Some(j) = local.pop() {
+                return Some(Next::Fresh(j));
+            }
+            if let Some(j) = retry(|| ctx.me().fresh[class].steal_batch_and_pop(local)) {
                 return Some(Next::Fresh(j));
             }
             if active {
-                if let Some(j) = steal_one(&self.shared().global[class]) {
+                if let Some(j) = retry(|| ctx.shared.global[class].steal_batch_and_pop(local)) {
                     return Some(Next::Fresh(j));
                 }
             }
@@ -135,8 +167,11 @@ impl Worker {
                 self.rng ^= self.rng << 13;
                 self.rng ^= self.rng >> 7;
                 self.rng ^= self.rng << 17;
-                let start = self.rng as usize;
-                if let Some(j) = self.shared().steal(self.ctx.index, class, start) {
+                let ctx = &*self.ctx;
+                if let Some(j) = ctx
+                    .shared
+                    .steal(ctx.index, class, self.rng as usize, &ctx.locals[class])
+                {
                     return Some(Next::Fresh(j));
                 }
             }
@@ -147,11 +182,11 @@ impl Worker {
     /// Moves woken fibers from the inbox into `resumed`.
     fn drain_inbox(&mut self) {
         let me = self.ctx.me();
-        if me.inbox_len.load(Ordering::Acquire) == 0 {
+        if me.inbox.len.load(Ordering::Acquire) == 0 {
             return;
         }
         // Lock order: inbox, then sleeping (nowhere the other way round).
-        let mut inbox = me.inbox.lock();
+        let mut inbox = me.inbox.queues.lock();
         let mut sleeping = me.sleeping.lock();
         let mut moved = 0;
         for class in 0..CLASSES {
@@ -164,7 +199,7 @@ impl Worker {
         }
         drop(sleeping);
         drop(inbox);
-        me.inbox_len.fetch_sub(moved, Ordering::AcqRel);
+        me.inbox.len.fetch_sub(moved, Ordering::AcqRel);
     }
 
     fn run_one(&mut self, next: Next) {
@@ -189,14 +224,13 @@ impl Worker {
             self.complete(task, Some(err));
             return;
         }
-        let me = self.me();
+        let me = self.ctx.me();
         me.preempt.store(false, Ordering::Relaxed);
-        me.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
-        me.running_task.store(fiber.sched_data(), Ordering::Relaxed);
+        me.hot.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
+        me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
         let outcome = fiber.run();
-        let me = self.me();
-        me.running_fiber.store(0, Ordering::Relaxed);
-        me.running_task.store(0, Ordering::Relaxed);
+        me.hot.running_fiber.store(0, Ordering::Relaxed);
+        me.hot.running_task.store(0, Ordering::Relaxed);
         match outcome {
             Ok(RunOutcome::Yielded(_)) => self.resumed[class_of(fiber.priority())].push_back(fiber),
             Ok(RunOutcome::Slept) => {
@@ -225,10 +259,7 @@ impl Worker {
     /// Starts a job on a cached or new fiber.
     fn start(&mut self, job: Job) -> Option<Task> {
         if job.task.cancelled.load(Ordering::Acquire) {
-            let name = job.task.name.clone();
-            let task = job.task.clone();
-            drop(job);
-            self.complete(task, Some(JoinError::Cancelled { fiber: None, name }));
+            self.drop_job(job);
             return None;
         }
         let fiber = match (job.task.name.is_none(), self.cache.pop()) {
@@ -254,16 +285,28 @@ impl Worker {
                 }
             }
         };
-        let Job { run, task, priority } = job;
+        let Job { task, priority } = job;
         let _ = task.started_fiber.set(fiber.id());
+        let runner = task.clone();
+        // SAFETY: this worker took the job; it runs the closure once.
+        let body = move || unsafe { runner.run_job() };
         fiber
-            .set_function(priority, run)
+            .set_function(priority, body)
             .expect("a cached or new fiber takes a function");
         fiber
             .set_home(Some(&self.me().home))
             .expect("a fiber with a new function is Ready");
         fiber.set_sched_data(task.into_raw());
         Some(fiber)
+    }
+
+    /// A job cancelled (or shut down) before it started: drop its closure
+    /// here and fail its join.
+    fn drop_job(&self, job: Job) {
+        // SAFETY: we hold the job; its closure is dropped, never run.
+        unsafe { job.task.drop_job() };
+        let name = job.task.name.clone();
+        self.complete(job.task, Some(JoinError::Cancelled { fiber: None, name }));
     }
 
     fn finish(&mut self, fiber: Task, err: Option<JoinError>) {
@@ -279,18 +322,21 @@ impl Worker {
     }
 
     fn complete(&self, task: TaskRef, err: Option<JoinError>) {
+        let c = &self.me().hot.counters;
         if matches!(err, Some(JoinError::Cancelled { .. })) {
-            self.shared().stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            WorkerCounters::bump(&c.cancelled);
         }
         task.complete(err);
-        self.shared().live.fetch_sub(1, Ordering::AcqRel);
-        self.shared().stats.completed.fetch_add(1, Ordering::Relaxed);
+        // Release: `live()` (sysmon) must not see the count before the
+        // completion itself.
+        c.completed
+            .store(c.completed.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
     fn idle(&mut self, parker: &Parker) {
         let shared = Arc::clone(&self.ctx.shared);
         shared.searching.fetch_add(1, Ordering::SeqCst);
-        for round in 0..SEARCH_ROUNDS {
+        for _ in 0..SEARCH_ROUNDS {
             if let Some(n) = self.next() {
                 if shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work() {
                     // The last searcher found work and more is pending: get
@@ -300,33 +346,29 @@ impl Worker {
                 self.run_one(n);
                 return;
             }
-            if round < SEARCH_ROUNDS / 2 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            std::hint::spin_loop();
         }
         shared.searching.fetch_sub(1, Ordering::SeqCst);
 
         let me = self.me();
         // Parking protocol, worker steps 1-4 (shared.rs).
-        me.parked.store(true, Ordering::SeqCst);
+        me.inbox.parked.store(true, Ordering::SeqCst);
         if shared.shutdown.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
-            me.parked.store(false, Ordering::SeqCst);
+            me.inbox.parked.store(false, Ordering::SeqCst);
             return;
         }
-        shared.stats.parks.fetch_add(1, Ordering::Relaxed);
+        WorkerCounters::bump(&me.hot.counters.parks);
         crate::trace_event!(worker = self.ctx.index, "park");
         let extra = self.ctx.index >= shared.config.base_workers;
         if extra && me.active.load(Ordering::Relaxed) {
             parker.park_timeout(shared.config.idle_retire);
-            if me.parked.swap(false, Ordering::SeqCst) {
+            if me.inbox.parked.swap(false, Ordering::SeqCst) {
                 // Nobody woke us: retire if we are the highest active worker.
                 self.try_retire();
             }
         } else {
             parker.park();
-            me.parked.store(false, Ordering::SeqCst);
+            me.inbox.parked.store(false, Ordering::SeqCst);
         }
     }
 
@@ -341,8 +383,8 @@ impl Worker {
             self.me().active.store(false, Ordering::Release);
             shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
             crate::trace_event!(worker = i, "retire");
-            // Jobs that raced into our fresh queue are still stealable, and
-            // we keep polling it: nothing is stranded.
+            // Jobs that raced into our queues are still stealable, and we
+            // keep polling our own: nothing is stranded.
         }
     }
 
@@ -364,11 +406,11 @@ impl Worker {
             }
         }
         for class in 0..CLASSES {
+            while let Some(job) = self.ctx.locals[class].pop() {
+                self.drop_job(job);
+            }
             while let Some(job) = steal_one(&self.me().fresh[class]) {
-                let name = job.task.name.clone();
-                let task = job.task.clone();
-                drop(job);
-                self.complete(task, Some(JoinError::Cancelled { fiber: None, name }));
+                self.drop_job(job);
             }
         }
         self.cache.clear();
