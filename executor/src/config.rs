@@ -124,9 +124,7 @@ impl Builder {
 
     fn resolve(self) -> Config {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let env_workers = std::env::var("SPINDLE_WORKERS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok());
+        let env_workers = std::env::var("SPINDLE_WORKERS").ok().and_then(|v| v.parse::<usize>().ok());
         let base = self.workers.or(env_workers).unwrap_or(cores).max(1);
         let max = self.max_workers.unwrap_or(2 * cores).max(base);
         Config {

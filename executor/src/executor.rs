@@ -106,10 +106,7 @@ impl Executor {
             .name("spindle-sysmon".into())
             .spawn(move || crate::sysmon::run(s, sysmon_parker))
             .expect("spawning the sysmon thread");
-        Executor {
-            handle: Handle { shared },
-            sysmon: Some(sysmon),
-        }
+        Executor { handle: Handle { shared }, sysmon: Some(sysmon) }
     }
 
     /// A handle for spawning from elsewhere.
@@ -165,9 +162,7 @@ impl Executor {
 impl Handle {
     /// The executor whose fiber calls this, or `None` elsewhere.
     pub fn current() -> Option<Handle> {
-        crate::worker::current_worker().map(|w| Handle {
-            shared: Arc::clone(&w.shared),
-        })
+        crate::worker::current_worker().map(|w| Handle { shared: Arc::clone(&w.shared) })
     }
 
     /// Spawns a fiber running `f`, with no name at [`Priority::NORMAL`].
@@ -215,11 +210,7 @@ impl Handle {
     pub fn stats(&self) -> ExecutorStats {
         let c = &self.shared.stats;
         let sum = |f: fn(&crate::shared::WorkerCounters) -> &std::sync::atomic::AtomicU64| -> u64 {
-            self.shared
-                .workers
-                .iter()
-                .map(|w| f(&w.hot.counters).load(Ordering::Relaxed))
-                .sum()
+            self.shared.workers.iter().map(|w| f(&w.hot.counters).load(Ordering::Relaxed)).sum()
         };
         ExecutorStats {
             spawned: c.spawned.load(Ordering::Relaxed),
@@ -273,8 +264,7 @@ impl Drop for Executor {
                 // SAFETY: we took the job from the queue; it never runs.
                 unsafe { job.task.drop_job() };
                 let name = job.task.name.clone();
-                job.task
-                    .complete(Some(JoinError::Cancelled { fiber: None, name }));
+                job.task.complete(Some(JoinError::Cancelled { fiber: None, name }));
                 shared.stats.completed_outside.fetch_add(1, Ordering::Release);
             }
         }
@@ -325,11 +315,7 @@ pub struct JoinHandle<T> {
 impl<T> JoinHandle<T> {
     /// `task` must have been created as a `TaskCell<T, _>`.
     pub(crate) fn from_parts(task: TaskRef, shared: Arc<Shared>) -> JoinHandle<T> {
-        JoinHandle {
-            task,
-            shared,
-            _value: PhantomData,
-        }
+        JoinHandle { task, shared, _value: PhantomData }
     }
 }
 

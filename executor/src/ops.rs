@@ -50,9 +50,7 @@ where
     F: FnOnce() -> T + Send + 'static,
     T: Send + 'static,
 {
-    Handle::current()
-        .expect("spindle_executor::spawn called outside an executor's fiber")
-        .spawn(f)
+    Handle::current().expect("spindle_executor::spawn called outside an executor's fiber").spawn(f)
 }
 
 /// Lets other fibers run; the caller goes to the back of its worker's

@@ -294,9 +294,7 @@ impl Shared {
     /// Wakes one parked active worker, if any.
     pub(crate) fn wake_one_parked(&self) -> bool {
         let n = self.active.load(Ordering::Relaxed);
-        self.workers[..n.min(self.workers.len())]
-            .iter()
-            .any(|w| w.notify())
+        self.workers[..n.min(self.workers.len())].iter().any(|w| w.notify())
     }
 
     /// Is there any work a worker (`me`) could take?
@@ -316,10 +314,7 @@ impl Shared {
     /// Is any fiber waiting to run anywhere?
     pub(crate) fn pending_work(&self) -> bool {
         self.global.iter().any(|q| !q.is_empty())
-            || self
-                .workers
-                .iter()
-                .any(|w| w.has_fresh() || w.inbox.len.load(Ordering::Relaxed) > 0)
+            || self.workers.iter().any(|w| w.has_fresh() || w.inbox.len.load(Ordering::Relaxed) > 0)
     }
 
     /// Steals one fresh fiber of `class` from another worker.
@@ -376,16 +371,9 @@ pub(crate) fn retry<T>(mut f: impl FnMut() -> Steal<T>) -> Option<T> {
 impl Shared {
     /// Tasks spawned and not yet complete.
     pub(crate) fn live(&self) -> u64 {
-        let done: u64 = self
-            .workers
-            .iter()
-            .map(|w| w.hot.counters.completed.load(Ordering::Acquire))
-            .sum();
+        let done: u64 = self.workers.iter().map(|w| w.hot.counters.completed.load(Ordering::Acquire)).sum();
         let outside = self.stats.completed_outside.load(Ordering::Acquire);
-        self.stats
-            .spawned
-            .load(Ordering::Acquire)
-            .saturating_sub(done + outside)
+        self.stats.spawned.load(Ordering::Acquire).saturating_sub(done + outside)
     }
 }
 

@@ -26,14 +26,8 @@ struct Watch {
 }
 
 pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
-    let mut watch: Vec<Watch> = shared
-        .workers
-        .iter()
-        .map(|_| Watch {
-            beat: 0,
-            since: Instant::now(),
-        })
-        .collect();
+    let mut watch: Vec<Watch> =
+        shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
     let mut deadlock_suspect: Option<u64> = None;
     while !shared.shutdown.load(Ordering::Acquire) {
@@ -90,11 +84,8 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             deadlock_suspect = None;
         }
 
-        let nap = if all_parked && deadlock_suspect.is_none() {
-            IDLE_NAP
-        } else {
-            shared.config.sysmon_interval
-        };
+        let nap =
+            if all_parked && deadlock_suspect.is_none() { IDLE_NAP } else { shared.config.sysmon_interval };
         let nap = match shared.timers.next_deadline() {
             Some(d) => nap.min(d.saturating_duration_since(Instant::now())),
             None => nap,
@@ -164,9 +155,7 @@ fn report_deadlock(shared: &Shared) {
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {
-        *task.error.lock() = Some(JoinError::Deadlock {
-            report: report.clone(),
-        });
+        *task.error.lock() = Some(JoinError::Deadlock { report: report.clone() });
         task.done.release(1);
     }
 }

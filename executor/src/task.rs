@@ -84,11 +84,7 @@ impl fmt::Display for JoinError {
                 Ok(())
             }
             JoinError::Cancelled { fiber, name } => {
-                write!(
-                    f,
-                    "{} was cancelled before it finished",
-                    describe(fiber.as_ref(), name)
-                )
+                write!(f, "{} was cancelled before it finished", describe(fiber.as_ref(), name))
             }
             JoinError::Deadlock { report } => write!(
                 f,
@@ -187,10 +183,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
         });
         let raw: *const TaskCell<T, F> = Arc::into_raw(cell);
         // SAFETY: Arc::into_raw is never null; the head is the first field.
-        TaskRef(
-            unsafe { NonNull::new_unchecked(raw as *mut TaskHead) },
-            PhantomData,
-        )
+        TaskRef(unsafe { NonNull::new_unchecked(raw as *mut TaskHead) }, PhantomData)
     }
 
     unsafe fn retain(h: NonNull<TaskHead>) {
@@ -269,10 +262,7 @@ impl TaskRef {
     /// `raw` came from `into_raw` and is consumed.
     pub(crate) unsafe fn from_raw(raw: usize) -> TaskRef {
         // SAFETY: the caller's contract.
-        TaskRef(
-            unsafe { NonNull::new_unchecked(raw as *mut TaskHead) },
-            PhantomData,
-        )
+        TaskRef(unsafe { NonNull::new_unchecked(raw as *mut TaskHead) }, PhantomData)
     }
 
     /// A new counted reference from a raw one that stays held elsewhere.

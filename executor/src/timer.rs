@@ -40,21 +40,14 @@ pub(crate) struct Timers {
 
 impl Timers {
     pub(crate) fn new() -> Timers {
-        Timers {
-            heap: Mutex::new((BinaryHeap::new(), 0)),
-        }
+        Timers { heap: Mutex::new((BinaryHeap::new(), 0)) }
     }
 
     pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) {
         let mut h = self.heap.lock();
         let seq = h.1;
         h.1 += 1;
-        h.0.push(Entry {
-            deadline,
-            seq,
-            generation,
-            task,
-        });
+        h.0.push(Entry { deadline, seq, generation, task });
     }
 
     pub(crate) fn is_empty(&self) -> bool {

@@ -78,22 +78,10 @@ struct Worker {
 }
 
 pub(crate) fn run(shared: Arc<Shared>, index: usize) {
-    let parker = shared.workers[index]
-        .parker
-        .lock()
-        .take()
-        .expect("a worker starts once");
-    let locals = shared.workers[index]
-        .locals
-        .lock()
-        .take()
-        .expect("a worker starts once");
+    let parker = shared.workers[index].parker.lock().take().expect("a worker starts once");
+    let locals = shared.workers[index].locals.lock().take().expect("a worker starts once");
     let mut w = Worker {
-        ctx: Box::new(WorkerCtx {
-            shared,
-            index,
-            locals,
-        }),
+        ctx: Box::new(WorkerCtx { shared, index, locals }),
         resumed: Default::default(),
         cache: Vec::with_capacity(FIBER_CACHE),
         tick: 0,
@@ -127,8 +115,7 @@ impl Worker {
             // Heartbeat: one relaxed store per scheduling round on a line of
             // its own, read by sysmon to spot a worker stuck in one fiber.
             let hot = &self.me().hot;
-            hot.heartbeat
-                .store(hot.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            hot.heartbeat.store(hot.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             match self.next() {
                 Some(n) => self.run_one(n),
                 None => self.idle(parker),
@@ -168,10 +155,7 @@ impl Worker {
                 self.rng ^= self.rng >> 7;
                 self.rng ^= self.rng << 17;
                 let ctx = &*self.ctx;
-                if let Some(j) = ctx
-                    .shared
-                    .steal(ctx.index, class, self.rng as usize, &ctx.locals[class])
-                {
+                if let Some(j) = ctx.shared.steal(ctx.index, class, self.rng as usize, &ctx.locals[class]) {
                     return Some(Next::Fresh(j));
                 }
             }
@@ -216,10 +200,7 @@ impl Worker {
             // Dropping the last handle unwinds the suspended stack here, on
             // the fiber's own thread.
             let task = take_task(&fiber);
-            let err = JoinError::Cancelled {
-                fiber: Some(fiber.id()),
-                name: task.name.clone(),
-            };
+            let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
             drop(fiber);
             self.complete(task, Some(err));
             return;
@@ -239,16 +220,9 @@ impl Worker {
             Ok(RunOutcome::Returned(())) => self.finish(fiber, None),
             Ok(RunOutcome::Panicked(p)) => {
                 let err = if p.payload.is::<Cancelled>() {
-                    JoinError::Cancelled {
-                        fiber: Some(p.fiber),
-                        name: p.name,
-                    }
+                    JoinError::Cancelled { fiber: Some(p.fiber), name: p.name }
                 } else {
-                    JoinError::Panicked {
-                        fiber: p.fiber,
-                        name: p.name,
-                        payload: p.payload,
-                    }
+                    JoinError::Panicked { fiber: p.fiber, name: p.name, payload: p.payload }
                 };
                 self.finish(fiber, Some(err));
             }
@@ -290,12 +264,8 @@ impl Worker {
         let runner = task.clone();
         // SAFETY: this worker took the job; it runs the closure once.
         let body = move || unsafe { runner.run_job() };
-        fiber
-            .set_function(priority, body)
-            .expect("a cached or new fiber takes a function");
-        fiber
-            .set_home(Some(&self.me().home))
-            .expect("a fiber with a new function is Ready");
+        fiber.set_function(priority, body).expect("a cached or new fiber takes a function");
+        fiber.set_home(Some(&self.me().home)).expect("a fiber with a new function is Ready");
         fiber.set_sched_data(task.into_raw());
         Some(fiber)
     }
@@ -326,11 +296,10 @@ impl Worker {
         if matches!(err, Some(JoinError::Cancelled { .. })) {
             WorkerCounters::bump(&c.cancelled);
         }
+        // Counted before the joiner is woken, so that a joiner reading the
+        // stats sees its task counted.
+        c.completed.store(c.completed.load(Ordering::Relaxed) + 1, Ordering::Release);
         task.complete(err);
-        // Release: `live()` (sysmon) must not see the count before the
-        // completion itself.
-        c.completed
-            .store(c.completed.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
     fn idle(&mut self, parker: &Parker) {
@@ -375,11 +344,7 @@ impl Worker {
     fn try_retire(&self) {
         let shared = self.shared();
         let i = self.ctx.index;
-        if shared
-            .active
-            .compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
+        if shared.active.compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
             self.me().active.store(false, Ordering::Release);
             shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
             crate::trace_event!(worker = i, "retire");
@@ -397,10 +362,7 @@ impl Worker {
         for fiber in fibers {
             if fiber.sched_data() != 0 {
                 let task = take_task(&fiber);
-                let err = JoinError::Cancelled {
-                    fiber: Some(fiber.id()),
-                    name: task.name.clone(),
-                };
+                let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
                 drop(fiber);
                 self.complete(task, Some(err));
             }

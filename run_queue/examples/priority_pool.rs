@@ -73,13 +73,8 @@ fn main() {
 
     for i in 0..fibers {
         let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024).name(format!("pool-{i}"))).unwrap();
-        let (tasks, pending, exited, rank, log) = (
-            tasks.clone(),
-            pending.clone(),
-            exited.clone(),
-            rank.clone(),
-            log.clone(),
-        );
+        let (tasks, pending, exited, rank, log) =
+            (tasks.clone(), pending.clone(), exited.clone(), rank.clone(), log.clone());
         let body = move || {
             loop {
                 pending.acquire();
@@ -166,10 +161,7 @@ fn main() {
     }
     println!("{workers} workers, {fibers} fibers, {total} tasks");
     for w in 0..workers {
-        println!(
-            "worker {w}: {:>5} tasks completed, {:>6} fiber runs",
-            tasks_per_worker[w], runs[w]
-        );
+        println!("worker {w}: {:>5} tasks completed, {:>6} fiber runs", tasks_per_worker[w], runs[w]);
     }
     println!("mean completion rank by priority (lower = earlier):");
     let mut means = Vec::new();
@@ -183,9 +175,6 @@ fn main() {
         tasks_per_worker.iter().all(|&n| n > 0),
         "every worker ran at least one task: {tasks_per_worker:?}"
     );
-    assert!(
-        means[0] < means[3],
-        "highest-priority tasks complete before lowest-priority ones on average"
-    );
+    assert!(means[0] < means[3], "highest-priority tasks complete before lowest-priority ones on average");
     println!("ok: every worker ran tasks; higher priorities completed earlier");
 }

@@ -397,10 +397,7 @@ impl<T: Send + 'static> Schedule<T> for Shared<T> {
 impl<T> Clone for RunQueue<T> {
     fn clone(&self) -> RunQueue<T> {
         self.shared.handles.fetch_add(1, Ordering::Relaxed);
-        RunQueue {
-            shared: Arc::clone(&self.shared),
-            home: Arc::clone(&self.home),
-        }
+        RunQueue { shared: Arc::clone(&self.shared), home: Arc::clone(&self.home) }
     }
 }
 

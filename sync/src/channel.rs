@@ -47,11 +47,7 @@ unsafe impl Send for MsgHeader {}
 impl MsgHeader {
     /// A header describing the payload at `buf` of `len` bytes.
     pub const fn new(buf: *mut u8, len: usize) -> MsgHeader {
-        MsgHeader {
-            next: Cell::new(ptr::null_mut()),
-            buf,
-            len,
-        }
+        MsgHeader { next: Cell::new(ptr::null_mut()), buf, len }
     }
 
     /// Initialises the header at `this` for a payload of `len` bytes that
@@ -84,10 +80,7 @@ impl MsgHeader {
 
 impl fmt::Debug for MsgHeader {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MsgHeader")
-            .field("buf", &self.buf)
-            .field("len", &self.len)
-            .finish()
+        f.debug_struct("MsgHeader").field("buf", &self.buf).field("len", &self.len).finish()
     }
 }
 
@@ -247,12 +240,7 @@ pub struct Msg<T> {
 impl<T> Msg<T> {
     /// Allocates a message holding `value`.
     pub fn new(value: T) -> Msg<T> {
-        Msg {
-            block: Box::new(MsgBlock {
-                hdr: MsgHeader::new(ptr::null_mut(), 0),
-                value,
-            }),
-        }
+        Msg { block: Box::new(MsgBlock { hdr: MsgHeader::new(ptr::null_mut(), 0), value }) }
     }
 
     /// The value, consuming the message.
@@ -275,9 +263,7 @@ impl<T> Msg<T> {
     /// `hdr` came from `into_header` of a `Msg<T>` of the same `T`.
     unsafe fn from_header(hdr: NonNull<MsgHeader>) -> Msg<T> {
         // SAFETY: the caller's contract.
-        Msg {
-            block: unsafe { Box::from_raw(hdr.as_ptr() as *mut MsgBlock<T>) },
-        }
+        Msg { block: unsafe { Box::from_raw(hdr.as_ptr() as *mut MsgBlock<T>) } }
     }
 }
 
@@ -334,10 +320,7 @@ unsafe impl<T: Send> Sync for Channel<T> {}
 impl<T> Channel<T> {
     /// An empty channel.
     pub const fn new() -> Channel<T> {
-        Channel {
-            raw: RawChannel::new(),
-            _holds: PhantomData,
-        }
+        Channel { raw: RawChannel::new(), _holds: PhantomData }
     }
 
     /// Queues a message, or hands it to the longest-waiting receiver. Never

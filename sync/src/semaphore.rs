@@ -51,12 +51,7 @@ pub struct Semaphore {
 impl Semaphore {
     /// A semaphore holding `tokens` tokens.
     pub const fn new(tokens: usize) -> Semaphore {
-        Semaphore {
-            synced: Mutex::new(Synced {
-                tokens,
-                waiters: WaitList::new(),
-            }),
-        }
+        Semaphore { synced: Mutex::new(Synced { tokens, waiters: WaitList::new() }) }
     }
 
     /// Takes a token, waiting for one if there is none: a fiber sleeps, a
@@ -136,10 +131,7 @@ impl Default for Semaphore {
 impl fmt::Debug for Semaphore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.synced.lock();
-        f.debug_struct("Semaphore")
-            .field("tokens", &s.tokens)
-            .field("waiters", &s.waiters.len())
-            .finish()
+        f.debug_struct("Semaphore").field("tokens", &s.tokens).field("waiters", &s.waiters.len()).finish()
     }
 }
 

@@ -98,11 +98,7 @@ unsafe impl Send for WaitList {}
 
 impl WaitList {
     pub(crate) const fn new() -> WaitList {
-        WaitList {
-            head: ptr::null(),
-            tail: ptr::null(),
-            len: 0,
-        }
+        WaitList { head: ptr::null(), tail: ptr::null(), len: 0 }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
