@@ -342,9 +342,10 @@ impl<T: Send> JoinHandle<T> {
         if let Some(v) = unsafe { task.prefix::<T>() }.result.lock().take() {
             return Ok(v);
         }
-        Err(task.error.lock().take().unwrap_or_else(|| JoinError::Deadlock {
-            report: "the fiber completed without a value or an error".into(),
-        }))
+        Err(task.error.lock().take().map_or_else(
+            || JoinError::Deadlock { report: "the fiber completed without a value or an error".into() },
+            |e| *e,
+        ))
     }
 
     /// Asks the fiber to stop: it unwinds (destructors run) at its next
@@ -374,7 +375,7 @@ impl<T: Send> JoinHandle<T> {
 
     /// The fiber's id, once it has started.
     pub fn fiber_id(&self) -> Option<FiberId> {
-        self.task.started_fiber.get().copied()
+        FiberId::from_u64(self.task.started_fiber.load(Ordering::Acquire))
     }
 }
 
@@ -382,7 +383,7 @@ impl<T> fmt::Debug for JoinHandle<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JoinHandle")
             .field("name", &self.task.name)
-            .field("fiber", &self.task.started_fiber.get())
+            .field("fiber", &FiberId::from_u64(self.task.started_fiber.load(Ordering::Relaxed)))
             .field("finished", &self.task.finished.load(Ordering::Relaxed))
             .finish()
     }

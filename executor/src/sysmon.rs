@@ -155,7 +155,7 @@ fn report_deadlock(shared: &Shared) {
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {
-        *task.error.lock() = Some(JoinError::Deadlock { report: report.clone() });
+        *task.error.lock() = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         task.done.release(1);
     }
 }

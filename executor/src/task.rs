@@ -7,8 +7,8 @@ use std::cell::UnsafeCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use spindle_fiber::{FiberId, Waiter};
@@ -119,14 +119,9 @@ pub(crate) struct SleepSlot {
 /// The erased head of every task. The function pointers are monomorphised
 /// for the task's value and closure types.
 pub(crate) struct TaskHead {
-    retain: unsafe fn(NonNull<TaskHead>),
-    release: unsafe fn(NonNull<TaskHead>),
-    /// Runs the closure (once) and stores its value.
-    run_job: unsafe fn(NonNull<TaskHead>),
-    /// Drops the closure without running it.
-    drop_job: unsafe fn(NonNull<TaskHead>),
-    /// The fiber the task runs on, once started.
-    pub(crate) started_fiber: OnceLock<FiberId>,
+    vtable: &'static TaskVTable,
+    /// The fiber the task runs on, once started (0: not yet).
+    pub(crate) started_fiber: AtomicU64,
     pub(crate) name: Option<Arc<str>>,
     /// Set by `cancel`; read by workers before running and by the fiber at
     /// executor suspension points.
@@ -135,8 +130,18 @@ pub(crate) struct TaskHead {
     pub(crate) finished: AtomicBool,
     /// Released once on completion, and by deadlock detection.
     pub(crate) done: Semaphore,
-    pub(crate) error: Mutex<Option<JoinError>>,
+    /// Boxed: errors are rare and the head stays small.
+    pub(crate) error: Mutex<Option<Box<JoinError>>>,
     pub(crate) sleep: Mutex<SleepSlot>,
+}
+
+struct TaskVTable {
+    retain: unsafe fn(NonNull<TaskHead>),
+    release: unsafe fn(NonNull<TaskHead>),
+    /// Runs the closure (once) and stores its value.
+    run_job: unsafe fn(NonNull<TaskHead>),
+    /// Drops the closure without running it.
+    drop_job: unsafe fn(NonNull<TaskHead>),
 }
 
 /// The part of a task its `JoinHandle<T>` reads: a prefix of every
@@ -157,6 +162,13 @@ pub(crate) struct TaskCell<T, F> {
 }
 
 impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
+    const VTABLE: TaskVTable = TaskVTable {
+        retain: Self::retain,
+        release: Self::release,
+        run_job: Self::run_job,
+        drop_job: Self::drop_job,
+    };
+
     /// A new task and the typed handle to it.
     ///
     /// # Safety
@@ -166,11 +178,8 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
     pub(crate) unsafe fn create(name: Option<Arc<str>>, f: F) -> TaskRef {
         let cell: Arc<TaskCell<T, F>> = Arc::new(TaskCell {
             head: TaskHead {
-                retain: Self::retain,
-                release: Self::release,
-                run_job: Self::run_job,
-                drop_job: Self::drop_job,
-                started_fiber: OnceLock::new(),
+                vtable: &Self::VTABLE,
+                started_fiber: AtomicU64::new(0),
                 name,
                 cancelled: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
@@ -228,7 +237,7 @@ impl TaskRef {
     /// Called once, by the worker that started the task.
     pub(crate) unsafe fn run_job(&self) {
         // SAFETY: the caller's contract.
-        unsafe { (self.run_job)(self.0) }
+        unsafe { (self.vtable.run_job)(self.0) }
     }
 
     /// Drops the task's closure without running it (cancelled or shut down
@@ -238,7 +247,7 @@ impl TaskRef {
     /// Called by the worker that holds the task's job, instead of running it.
     pub(crate) unsafe fn drop_job(&self) {
         // SAFETY: the caller's contract.
-        unsafe { (self.drop_job)(self.0) }
+        unsafe { (self.vtable.drop_job)(self.0) }
     }
 
     /// The typed part of the task.
@@ -285,7 +294,7 @@ impl TaskRef {
     /// Stores the outcome and wakes the joiner.
     pub(crate) fn complete(&self, error: Option<JoinError>) {
         if let Some(e) = error {
-            *self.error.lock() = Some(e);
+            *self.error.lock() = Some(Box::new(e));
         }
         self.finished.store(true, Ordering::Release);
         self.done.release(1);
@@ -295,7 +304,7 @@ impl TaskRef {
 impl Clone for TaskRef {
     fn clone(&self) -> TaskRef {
         // SAFETY: we own a strong reference.
-        unsafe { (self.retain)(self.0) };
+        unsafe { (self.vtable.retain)(self.0) };
         TaskRef(self.0, PhantomData)
     }
 }
@@ -303,7 +312,7 @@ impl Clone for TaskRef {
 impl Drop for TaskRef {
     fn drop(&mut self) {
         // SAFETY: we own a strong reference.
-        unsafe { (self.release)(self.0) }
+        unsafe { (self.vtable.release)(self.0) }
     }
 }
 

@@ -260,7 +260,7 @@ impl Worker {
             }
         };
         let Job { task, priority } = job;
-        let _ = task.started_fiber.set(fiber.id());
+        task.started_fiber.store(fiber.id().as_u64(), Ordering::Release);
         let runner = task.clone();
         // SAFETY: this worker took the job; it runs the closure once.
         let body = move || unsafe { runner.run_job() };

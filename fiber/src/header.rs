@@ -26,6 +26,12 @@ impl FiberId {
     pub fn as_u64(self) -> u64 {
         self.0.get()
     }
+
+    /// The id with this number, if it is not 0 (the inverse of
+    /// [`as_u64`](FiberId::as_u64); the fiber need not exist).
+    pub fn from_u64(v: u64) -> Option<FiberId> {
+        NonZeroU64::new(v).map(FiberId)
+    }
 }
 
 impl fmt::Display for FiberId {
