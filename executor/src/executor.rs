@@ -194,11 +194,17 @@ impl Handle {
     /// this executor's fibers, else round-robin over the workers.
     pub(crate) fn push(&self, task: TaskRef, priority: Priority) {
         let shared = &self.shared;
-        assert!(
-            !shared.shutdown.load(Ordering::Acquire),
-            "spindle-executor: spawn on an executor that is shutting down"
-        );
         shared.stats.spawned.fetch_add(1, Ordering::Relaxed);
+        if shared.shutdown.load(Ordering::Acquire) {
+            // Spawned while shutting down (e.g. from a destructor): the job
+            // never runs, its join fails.
+            // SAFETY: we hold the only job of this task; it never runs.
+            unsafe { task.drop_job() };
+            let name = task.name.clone();
+            task.complete(Some(JoinError::Cancelled { fiber: None, name }));
+            shared.stats.completed_outside.fetch_add(1, Ordering::Release);
+            return;
+        }
         let job = Job { task, priority };
         match crate::worker::current_worker() {
             Some(w) if Arc::ptr_eq(&w.shared, shared) => w.push_local(job),
@@ -245,11 +251,63 @@ impl fmt::Debug for Executor {
     }
 }
 
+impl Executor {
+    /// Waits until every started worker is parked with nothing queued and
+    /// no timer pending, seen twice with no heartbeat in between.
+    fn wait_quiescent(&self) {
+        let shared = &self.handle.shared;
+        let beats = || -> u64 {
+            shared.workers.iter().map(|w| w.hot.heartbeat.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+        };
+        let quiet = || {
+            shared
+                .workers
+                .iter()
+                .filter(|w| w.started.load(Ordering::Acquire))
+                .all(|w| w.inbox.parked.load(Ordering::SeqCst))
+                && !shared.pending_work()
+                && shared.timers.is_empty()
+        };
+        let started = std::time::Instant::now();
+        let mut warned = false;
+        let mut last = None;
+        loop {
+            shared.timers.fire_all();
+            if quiet() {
+                let b = beats();
+                if last == Some(b) {
+                    return;
+                }
+                last = Some(b);
+            } else {
+                last = None;
+            }
+            if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
+                eprintln!(
+                    "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
+                     (a fiber that never yields keeps its worker busy)"
+                );
+                warned = true;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+}
+
 impl Drop for Executor {
     fn drop(&mut self) {
         let shared = &self.handle.shared;
+        // 1. Cancel everything: unstarted jobs are dropped as workers take
+        //    them, started fibers unwind at their next executor suspension
+        //    point; wake every timer sleeper and every worker.
         shared.shutdown.store(true, Ordering::SeqCst);
         shared.timers.fire_all();
+        shared.wake_all();
+        // 2. Let the workers run until nothing is left to run: unwinding
+        //    one fiber may wake others (joiners, semaphore waiters).
+        self.wait_quiescent();
+        // 3. Workers leave and drop what is left, each on its own thread.
+        shared.exit.store(true, Ordering::SeqCst);
         shared.wake_all();
         if let Some(s) = self.sysmon.take() {
             let _ = s.join();
@@ -326,7 +384,9 @@ impl<T: Send> JoinHandle<T> {
         let task = &self.task;
         if !task.finished.load(Ordering::Acquire) {
             if spindle_fiber::in_fiber() {
+                crate::ops::check_cancel();
                 task.done.acquire();
+                crate::ops::check_cancel();
             } else {
                 // A blocked thread: visible to deadlock detection.
                 self.shared.blocked_joiners.lock().push(task.clone());

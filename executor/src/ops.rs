@@ -31,10 +31,11 @@ fn task_head(raw: usize) -> &'static TaskHead {
     unsafe { TaskRef::borrow_raw(raw) }
 }
 
-/// Unwinds the calling fiber if its task was cancelled.
-fn check_cancel() {
-    if let Some((raw, _)) = current_task() {
-        if task_head(raw).cancelled.load(Ordering::Acquire) {
+/// Unwinds the calling fiber if its task was cancelled or its executor is
+/// shutting down.
+pub(crate) fn check_cancel() {
+    if let Some((raw, w)) = current_task() {
+        if task_head(raw).cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
             std::panic::resume_unwind(Box::new(Cancelled));
         }
     }

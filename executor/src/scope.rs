@@ -2,7 +2,7 @@
 //! they are all joined before the scope returns.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use spindle_sync::Semaphore;
@@ -36,8 +36,9 @@ struct ScopeState {
     pending: AtomicUsize,
     /// Released once per finished fiber.
     done: Semaphore,
-    /// A scoped fiber unwound (panic or cancellation) without being joined.
-    unwound: AtomicBool,
+    /// Scoped fibers that unwound (panic or cancellation) and whose join has
+    /// not reported it.
+    unwound: AtomicUsize,
 }
 
 /// Decrements the scope's count when the fiber's closure is gone (run,
@@ -47,7 +48,7 @@ struct Finish(Arc<ScopeState>);
 impl Drop for Finish {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.unwound.store(true, Ordering::Relaxed);
+            self.0.unwound.fetch_add(1, Ordering::AcqRel);
         }
         self.0.pending.fetch_sub(1, Ordering::AcqRel);
         self.0.done.release(1);
@@ -57,6 +58,7 @@ impl Drop for Finish {
 /// A join handle of a scoped fiber.
 pub struct ScopedJoinHandle<'scope, T> {
     inner: JoinHandle<T>,
+    state: Arc<ScopeState>,
     _scope: PhantomData<&'scope ()>,
 }
 
@@ -64,7 +66,12 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
     /// Waits for the fiber; see [`JoinHandle::join`].
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
-        self.inner.join()
+        let r = self.inner.join();
+        if matches!(r, Err(JoinError::Panicked { .. } | JoinError::Cancelled { .. })) {
+            // Reported here: the scope need not panic for it.
+            self.state.unwound.fetch_sub(1, Ordering::AcqRel);
+        }
+        r
     }
 
     /// Whether the fiber has completed.
@@ -104,6 +111,7 @@ impl<'scope> Scope<'scope, '_> {
         self.handle.push(task.clone(), options_priority(&options));
         ScopedJoinHandle {
             inner: JoinHandle::from_parts(task, Arc::clone(&self.handle.shared)),
+            state: Arc::clone(&self.state),
             _scope: PhantomData,
         }
     }
@@ -122,7 +130,7 @@ where
         state: Arc::new(ScopeState {
             pending: AtomicUsize::new(0),
             done: Semaphore::new(0),
-            unwound: AtomicBool::new(false),
+            unwound: AtomicUsize::new(0),
         }),
         _scope: PhantomData,
         _env: PhantomData,
@@ -148,8 +156,8 @@ where
         let _wait = WaitAll(&scope.state);
         f(&scope)
     };
-    if scope.state.unwound.load(Ordering::Relaxed) {
-        panic!("a fiber spawned in a spindle-executor scope panicked or was cancelled");
+    if scope.state.unwound.load(Ordering::Acquire) > 0 {
+        panic!("a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not joined");
     }
     result
 }

@@ -219,7 +219,11 @@ pub(crate) struct Shared {
     /// detection.
     pub(crate) blocked_joiners: Mutex<Vec<TaskRef>>,
     pub(crate) timers: Timers,
+    /// Shutdown has begun: unstarted jobs are dropped, started fibers
+    /// unwind at their next executor suspension point.
     pub(crate) shutdown: AtomicBool,
+    /// Workers leave their loop (set once shutdown is quiescent).
+    pub(crate) exit: AtomicBool,
     pub(crate) stats: Counters,
     pub(crate) threads: Mutex<Vec<ThreadHandle<()>>>,
     pub(crate) sysmon_unparker: Unparker,
@@ -269,6 +273,7 @@ impl Shared {
                 blocked_joiners: Mutex::new(Vec::new()),
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),
+                exit: AtomicBool::new(false),
                 stats: Counters::default(),
                 threads: Mutex::new(Vec::new()),
                 sysmon_unparker,

@@ -30,7 +30,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
     let mut deadlock_suspect: Option<u64> = None;
-    while !shared.shutdown.load(Ordering::Acquire) {
+    while !shared.exit.load(Ordering::Acquire) {
         let now = Instant::now();
         shared.timers.fire_due(now);
 
@@ -54,7 +54,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             if stalled >= shared.config.time_slice && !w.preempt.swap(true, Ordering::Relaxed) {
                 crate::trace_event!(worker = w.index, "time slice overrun");
             }
-            if stalled >= shared.config.stuck_threshold {
+            // Only a worker inside a fiber is stuck; one that is searching
+            // or was descheduled by the OS between fibers is not.
+            if stalled >= shared.config.stuck_threshold && w.hot.running_fiber.load(Ordering::Relaxed) != 0 {
                 stuck = true;
             }
         }

@@ -109,7 +109,7 @@ impl Worker {
 
     fn main_loop(&mut self, parker: &Parker) {
         loop {
-            if self.shared().shutdown.load(Ordering::Acquire) {
+            if self.shared().exit.load(Ordering::Acquire) {
                 return;
             }
             // Heartbeat: one relaxed store per scheduling round on a line of
@@ -194,17 +194,9 @@ impl Worker {
                 None => return,
             },
         };
-        // SAFETY: a started fiber's sched word holds a TaskRef until finish.
-        let task = unsafe { TaskRef::borrow_raw(fiber.sched_data()) };
-        if task.cancelled.load(Ordering::Acquire) {
-            // Dropping the last handle unwinds the suspended stack here, on
-            // the fiber's own thread.
-            let task = take_task(&fiber);
-            let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-            drop(fiber);
-            self.complete(task, Some(err));
-            return;
-        }
+        // A cancelled fiber is resumed like any other: it unwinds itself at
+        // its executor suspension point (ops.rs), on its own stack, after
+        // whatever woke it (a token, a message) has been handed over.
         let me = self.ctx.me();
         me.preempt.store(false, Ordering::Relaxed);
         me.hot.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
@@ -232,7 +224,7 @@ impl Worker {
 
     /// Starts a job on a cached or new fiber.
     fn start(&mut self, job: Job) -> Option<Task> {
-        if job.task.cancelled.load(Ordering::Acquire) {
+        if job.task.cancelled.load(Ordering::Acquire) || self.shared().shutdown.load(Ordering::Acquire) {
             self.drop_job(job);
             return None;
         }
@@ -322,7 +314,7 @@ impl Worker {
         let me = self.me();
         // Parking protocol, worker steps 1-4 (shared.rs).
         me.inbox.parked.store(true, Ordering::SeqCst);
-        if shared.shutdown.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
+        if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
             me.inbox.parked.store(false, Ordering::SeqCst);
             return;
         }
@@ -353,8 +345,10 @@ impl Worker {
         }
     }
 
-    /// Shutdown: unwind or drop everything this worker holds, on this thread
-    /// (started fibers are pinned here).
+    /// Exit, after shutdown reached quiescence: whatever is left is asleep
+    /// on a primitive outside the executor (those fibers are held by their
+    /// primitives' wait lists) or was queued in the last instant. Dropped on
+    /// this thread, where started fibers are pinned.
     fn drain(&mut self) {
         self.drain_inbox();
         let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();

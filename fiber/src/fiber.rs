@@ -423,7 +423,7 @@ impl<T: Send + 'static> Fiber<T> {
                     // A waker came between the fiber publishing its waiter
                     // and the switch: finish the wake for it (runner step 5).
                     // SAFETY: we hold the state `Locked`.
-                    SleepTransition::AlreadyWoken => unsafe { self.finish_wake_owned() },
+                    SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
                 }
                 RunOutcome::Slept
             }
@@ -492,15 +492,19 @@ impl<T: Send + 'static> Fiber<T> {
 
     /// Finishes a wake the caller owns (state `Locked`).
     ///
+    /// Consumes the waker's reference: it is handed to the scheduler, so
+    /// the waker never ends up holding the last one (which would drop a
+    /// pinned fiber on the waker's thread).
+    ///
     /// # Safety
     /// The caller holds the state `Locked`.
-    unsafe fn finish_wake_owned(&self) {
+    unsafe fn finish_wake_owned(self) {
         // SAFETY: the caller holds `Locked`.
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
             Some(home) => {
                 self.header().state.store(FiberState::Queued);
-                home.schedule(self.clone());
+                home.schedule(self);
             }
             None => self.header().state.store(FiberState::Ready),
         }

@@ -1,0 +1,268 @@
+//! Cancellation: a cancelled fiber unwinds at its next suspension point with
+//! its destructors run, and its join returns `JoinError::Cancelled`.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{wait_for, watchdog, Flag};
+use spindle_executor::{sleep, yield_now, Executor, JoinError, SpawnOptions};
+use spindle_sync::{Channel, Msg, Semaphore};
+
+#[test]
+fn cancel_a_fiber_looping_in_yield_now() {
+    watchdog("cancel_a_fiber_looping_in_yield_now", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let dropped = Flag::new();
+        let looping = Flag::new();
+        let rounds = Arc::new(AtomicU64::new(0));
+        let h = {
+            let (guard, looping, rounds) = (dropped.on_drop(), looping.clone(), Arc::clone(&rounds));
+            exec.spawn_with(SpawnOptions::new().name("looper"), move || {
+                let _local = guard;
+                looping.set();
+                loop {
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                    yield_now();
+                }
+            })
+        };
+        wait_for(&stage, "the fiber to loop", || looping.is_set());
+        assert!(!dropped.is_set(), "the local lives while the fiber loops");
+
+        stage.set("cancelling and joining");
+        h.cancel();
+        let err = h.join().expect_err("a cancelled fiber has no value");
+        assert!(err.is_cancelled(), "expected Cancelled, got {err}");
+        match &err {
+            JoinError::Cancelled { fiber, name } => {
+                assert!(fiber.is_some(), "it had started");
+                assert_eq!(name.as_deref(), Some("looper"));
+            }
+            other => panic!("expected Cancelled, got {other}"),
+        }
+        assert!(err.to_string().contains("looper"), "{err}");
+        assert!(dropped.is_set(), "the fiber's local was dropped by the unwind");
+        assert!(rounds.load(Ordering::Relaxed) >= 1);
+        assert!(exec.stats().cancelled >= 1, "{:?}", exec.stats());
+    });
+}
+
+#[test]
+fn cancel_a_fiber_asleep_in_a_long_sleep() {
+    watchdog("cancel_a_fiber_asleep_in_a_long_sleep", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let dropped = Flag::new();
+        let sleeping = Flag::new();
+        let h = {
+            let (guard, sleeping) = (dropped.on_drop(), sleeping.clone());
+            exec.spawn(move || {
+                let _local = guard;
+                sleeping.set();
+                sleep(Duration::from_secs(60));
+                "overslept"
+            })
+        };
+        wait_for(&stage, "the fiber to go to sleep", || sleeping.is_set());
+
+        stage.set("cancelling a 60 s sleep");
+        let start = Instant::now();
+        h.cancel();
+        let err = h.join().expect_err("a cancelled fiber has no value");
+        let took = start.elapsed();
+        assert!(err.is_cancelled(), "expected Cancelled, got {err}");
+        assert!(took < Duration::from_secs(5), "cancel woke the sleeper promptly (took {took:?})");
+        assert!(dropped.is_set(), "the fiber's local was dropped by the unwind");
+    });
+}
+
+#[test]
+fn cancel_before_start_drops_the_closure_without_running_it() {
+    watchdog("cancel_before_start_drops_the_closure_without_running_it", 30, |stage| {
+        // One worker and no scaling: a hog holds it, so the victim stays
+        // queued until it is cancelled.
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let release_hog = Flag::new();
+        let hogging = Flag::new();
+        let hog = {
+            let (release_hog, hogging) = (release_hog.clone(), hogging.clone());
+            exec.spawn(move || {
+                hogging.set();
+                while !release_hog.is_set() {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        wait_for(&stage, "the hog to hold the only worker", || hogging.is_set());
+
+        stage.set("spawning and cancelling a queued fiber");
+        let ran = Flag::new();
+        let captured_dropped = Flag::new();
+        let victim = {
+            let (ran, guard) = (ran.clone(), captured_dropped.on_drop());
+            exec.spawn_with(SpawnOptions::new().name("victim"), move || {
+                let _guard = guard;
+                ran.set();
+            })
+        };
+        victim.cancel();
+        assert!(!victim.is_finished());
+        release_hog.set();
+        hog.join().unwrap();
+
+        stage.set("joining the cancelled fiber");
+        let err = victim.join().expect_err("a cancelled fiber has no value");
+        match &err {
+            JoinError::Cancelled { fiber, name } => {
+                assert!(fiber.is_none(), "it never started: {err}");
+                assert_eq!(name.as_deref(), Some("victim"));
+            }
+            other => panic!("expected Cancelled, got {other}"),
+        }
+        assert!(!ran.is_set(), "the closure never ran");
+        assert!(captured_dropped.is_set(), "the closure's captured values were dropped");
+    });
+}
+
+#[test]
+fn cancel_a_fiber_asleep_on_a_semaphore_unwinds_it_when_woken() {
+    watchdog("cancel_a_fiber_asleep_on_a_semaphore_unwinds_it_when_woken", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let dropped = Flag::new();
+        let h = {
+            let (sem, guard) = (Arc::clone(&sem), dropped.on_drop());
+            exec.spawn(move || {
+                let _local = guard;
+                sem.acquire();
+                // The next suspension point sees the cancellation (if the
+                // wake itself did not unwind the fiber already).
+                yield_now();
+                "not cancelled"
+            })
+        };
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        h.cancel();
+        assert!(!h.is_finished(), "a fiber on a sync primitive is not woken by cancel");
+        assert!(!dropped.is_set());
+        stage.set("releasing the semaphore");
+        sem.release(1);
+        let err = h.join().expect_err("cancelled");
+        assert!(err.is_cancelled(), "{err}");
+        assert!(dropped.is_set(), "the fiber's local was dropped by the unwind");
+    });
+}
+
+/// Gives a semaphore token back when dropped (a lock guard, say).
+struct Token<'a>(&'a Semaphore);
+
+impl Drop for Token<'_> {
+    fn drop(&mut self) {
+        self.0.release(1);
+    }
+}
+
+#[test]
+fn cancelled_semaphore_waiter_does_not_lose_the_token() {
+    watchdog("cancelled_semaphore_waiter_does_not_lose_the_token", 30, |stage| {
+        // The semaphore is used as a lock: whoever acquires holds a guard
+        // that releases on drop. Cancelling a waiter must not make the token
+        // vanish: either the waiter never got it, or it got it and its guard
+        // gave it back when it unwound.
+        let exec = Executor::builder().workers(2).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let h = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || {
+                sem.acquire();
+                let _token = Token(&sem);
+                yield_now();
+            })
+        };
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        h.cancel();
+        stage.set("handing the waiter the token");
+        sem.release(1);
+        let err = h.join().expect_err("cancelled");
+        assert!(err.is_cancelled(), "{err}");
+        assert_eq!(
+            sem.available(),
+            1,
+            "the token handed to the cancelled waiter was lost (it unwound inside acquire)"
+        );
+    });
+}
+
+#[test]
+fn cancelled_channel_receiver_does_not_lose_the_message() {
+    watchdog("cancelled_channel_receiver_does_not_lose_the_message", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let chan = Arc::new(Channel::<u64>::new());
+        let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let h = {
+            let (chan, received) = (Arc::clone(&chan), Arc::clone(&received));
+            exec.spawn(move || {
+                let v = chan.pop().into_inner();
+                received.lock().unwrap().push(v);
+                yield_now();
+            })
+        };
+        wait_for(&stage, "the receiver to wait", || chan.receivers() == 1);
+        h.cancel();
+        stage.set("pushing one message to the cancelled receiver");
+        chan.push(Msg::new(77));
+        let err = h.join().expect_err("cancelled");
+        assert!(err.is_cancelled(), "{err}");
+        let delivered = received.lock().unwrap().contains(&77);
+        let still_queued = chan.try_pop().map(Msg::into_inner) == Some(77);
+        assert!(
+            delivered || still_queued,
+            "the message handed to the cancelled receiver vanished (it unwound inside pop)"
+        );
+    });
+}
+
+#[test]
+fn cancel_after_completion_keeps_the_value() {
+    watchdog("cancel_after_completion_keeps_the_value", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let h = exec.spawn(|| 99);
+        wait_for(&stage, "the fiber to finish", || h.is_finished());
+        h.cancel();
+        h.wake();
+        assert_eq!(h.join().unwrap(), 99);
+    });
+}
+
+#[test]
+fn cancel_many_yielding_fibers_at_once() {
+    watchdog("cancel_many_yielding_fibers_at_once", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let flags: Vec<Flag> = (0..200).map(|_| Flag::new()).collect();
+        let started = Arc::new(AtomicU64::new(0));
+        let handles: Vec<_> = flags
+            .iter()
+            .map(|f| {
+                let (guard, started) = (f.on_drop(), Arc::clone(&started));
+                exec.spawn(move || {
+                    let _g = guard;
+                    started.fetch_add(1, Ordering::SeqCst);
+                    loop {
+                        yield_now();
+                    }
+                })
+            })
+            .collect();
+        wait_for(&stage, "all fibers to loop", || started.load(Ordering::SeqCst) == 200);
+        stage.set("cancelling all");
+        for h in &handles {
+            h.cancel();
+        }
+        for h in handles {
+            assert!(h.join().expect_err("cancelled").is_cancelled());
+        }
+        assert!(flags.iter().all(Flag::is_set), "every fiber's local was dropped");
+    });
+}

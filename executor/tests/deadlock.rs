@@ -1,0 +1,104 @@
+//! Deadlock detection: a thread joining a fiber that can never finish gets
+//! `JoinError::Deadlock` with a report of every sleeping fiber, what it
+//! waits on and where; a pending timer is not a deadlock.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{wait_for, watchdog};
+use spindle_executor::{sleep, Executor, SpawnOptions};
+use spindle_sync::Semaphore;
+
+#[test]
+fn two_fibers_waiting_on_each_other_are_reported() {
+    watchdog("two_fibers_waiting_on_each_other_are_reported", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let to_left = Arc::new(Semaphore::new(0));
+        let to_right = Arc::new(Semaphore::new(0));
+        // Where each fiber waits, as "file:line" of its acquire call.
+        let sites = Arc::new(Mutex::new(Vec::new()));
+
+        stage.set("spawning 'left' and 'right', each waiting for the other");
+        let left = {
+            let (mine, theirs, sites) = (Arc::clone(&to_left), Arc::clone(&to_right), Arc::clone(&sites));
+            exec.spawn_with(SpawnOptions::new().name("left"), move || {
+                sites.lock().unwrap().push(format!("{}:{}:", file!(), line!() + 1));
+                mine.acquire();
+                theirs.release(1);
+            })
+        };
+        let right = {
+            let (mine, theirs, sites) = (Arc::clone(&to_right), Arc::clone(&to_left), Arc::clone(&sites));
+            exec.spawn_with(SpawnOptions::new().name("right"), move || {
+                sites.lock().unwrap().push(format!("{}:{}:", file!(), line!() + 1));
+                mine.acquire();
+                theirs.release(1);
+            })
+        };
+        wait_for(&stage, "both fibers to wait", || to_left.waiters() == 1 && to_right.waiters() == 1);
+
+        stage.set("joining 'left' from the test thread");
+        let err = left.join().expect_err("'left' can never finish");
+        assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
+        let report = err.to_string();
+        eprintln!("{report}");
+        assert!(report.contains("'left'"), "the report names 'left':\n{report}");
+        assert!(report.contains("'right'"), "the report names 'right':\n{report}");
+        assert!(report.contains("semaphore"), "the report says what they wait on:\n{report}");
+        let sites = sites.lock().unwrap().clone();
+        assert_eq!(sites.len(), 2);
+        for site in &sites {
+            assert!(report.contains(site.as_str()), "the report shows the wait site {site}:\n{report}");
+        }
+        assert!(exec.stats().deadlocks >= 1, "{:?}", exec.stats());
+
+        stage.set("joining 'right' from the test thread: detected again");
+        let err = right.join().expect_err("'right' can never finish either");
+        assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
+        assert!(exec.stats().deadlocks >= 2, "{:?}", exec.stats());
+
+        stage.set("the executor still runs fibers after a deadlock report");
+        assert_eq!(exec.block_on(|| 5).unwrap(), 5);
+
+        // The two fibers stay asleep on their semaphores; shutdown must not
+        // wait for them (they may be leaked, as documented).
+        stage.set("dropping the executor with two fibers asleep on semaphores");
+        drop(exec);
+    });
+}
+
+#[test]
+fn a_pending_timer_is_not_a_deadlock() {
+    watchdog("a_pending_timer_is_not_a_deadlock", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("joining a fiber asleep on a timer");
+        let h = exec.spawn(|| {
+            sleep(Duration::from_millis(300));
+            "woke"
+        });
+        assert_eq!(h.join().expect("a sleeping fiber is not deadlocked"), "woke");
+        assert_eq!(exec.stats().deadlocks, 0);
+    });
+}
+
+#[test]
+fn a_fiber_joining_a_fiber_that_waits_forever_is_reported_by_name() {
+    watchdog("a_fiber_joining_a_fiber_that_waits_forever_is_reported_by_name", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let never = Arc::new(Semaphore::new(0));
+        stage.set("'waiter' waits on a semaphore nobody releases; 'joiner' joins it");
+        let waiter = {
+            let never = Arc::clone(&never);
+            exec.spawn_with(SpawnOptions::new().name("waiter"), move || never.acquire())
+        };
+        let joiner = exec.spawn_with(SpawnOptions::new().name("joiner"), move || waiter.join().is_ok());
+        let err = joiner.join().expect_err("the joiner can never finish");
+        let report = err.to_string();
+        assert!(err.is_deadlock(), "{report}");
+        assert!(report.contains("'waiter'") && report.contains("'joiner'"), "{report}");
+        assert!(report.contains("deadlock.rs:"), "wait sites point into this file:\n{report}");
+        drop(exec);
+    });
+}

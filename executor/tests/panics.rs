@@ -1,0 +1,128 @@
+//! A panic in a fiber surfaces as `JoinError::Panicked` carrying the
+//! fiber's name and message, to a joining thread and to a joining fiber, and
+//! leaves the executor usable.
+
+mod common;
+
+use common::{watchdog, Flag};
+use spindle_executor::{yield_now, Executor, JoinError, SpawnOptions};
+
+#[test]
+fn panic_surfaces_to_a_joining_thread_with_name_and_message() {
+    watchdog("panic_surfaces_to_a_joining_thread_with_name_and_message", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("joining a named fiber that panics");
+        let h = exec.spawn_with(SpawnOptions::new().name("exploder"), || -> u32 {
+            yield_now();
+            panic!("boom {}", 7)
+        });
+        let err = h.join().expect_err("the fiber panicked");
+        match &err {
+            JoinError::Panicked { name, .. } => assert_eq!(name.as_deref(), Some("exploder")),
+            other => panic!("expected Panicked, got {other}"),
+        }
+        assert_eq!(err.panic_message(), Some("boom 7"));
+        assert!(!err.is_cancelled() && !err.is_deadlock());
+        let shown = err.to_string();
+        assert!(shown.contains("exploder"), "Display names the fiber: {shown}");
+        assert!(shown.contains("boom 7"), "Display carries the message: {shown}");
+        assert!(shown.contains("panicked"), "Display says what happened: {shown}");
+    });
+}
+
+#[test]
+fn panic_surfaces_to_a_joining_fiber() {
+    watchdog("panic_surfaces_to_a_joining_fiber", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a fiber joins a named fiber that panics");
+        let inner = exec.spawn_with(SpawnOptions::new().name("inner-bomb"), || {
+            yield_now();
+            panic!("static message");
+        });
+        let seen = exec
+            .block_on(move || {
+                let err = inner.join().expect_err("the inner fiber panicked");
+                let name = match &err {
+                    JoinError::Panicked { name, .. } => name.as_deref().map(str::to_owned),
+                    _ => None,
+                };
+                (name, err.panic_message().map(str::to_owned), err.to_string())
+            })
+            .expect("the joining fiber itself returns");
+        assert_eq!(seen.0.as_deref(), Some("inner-bomb"));
+        assert_eq!(seen.1.as_deref(), Some("static message"));
+        assert!(seen.2.contains("inner-bomb") && seen.2.contains("static message"), "{}", seen.2);
+    });
+}
+
+#[test]
+fn unnamed_and_non_string_panics() {
+    watchdog("unnamed_and_non_string_panics", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        stage.set("an unnamed fiber panics");
+        let err = exec.spawn(|| panic!("anonymous")).join().expect_err("panicked");
+        match &err {
+            JoinError::Panicked { name, fiber, .. } => {
+                assert!(name.is_none());
+                assert!(err.to_string().contains(&fiber.to_string()), "Display shows the id: {err}");
+            }
+            other => panic!("expected Panicked, got {other}"),
+        }
+        assert_eq!(err.panic_message(), Some("anonymous"));
+
+        stage.set("a fiber panics with a non-string payload");
+        let err = exec
+            .spawn_with(SpawnOptions::new().name("payload"), || std::panic::panic_any(42u32))
+            .join()
+            .expect_err("panicked");
+        assert_eq!(err.panic_message(), None);
+        match err {
+            JoinError::Panicked { payload, name, .. } => {
+                assert_eq!(name.as_deref(), Some("payload"));
+                assert_eq!(payload.downcast_ref::<u32>(), Some(&42));
+            }
+            other => panic!("expected Panicked, got {other}"),
+        }
+    });
+}
+
+#[test]
+fn panics_unwind_the_fiber_and_leave_the_executor_usable() {
+    watchdog("panics_unwind_the_fiber_and_leave_the_executor_usable", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("many fibers, every third panics");
+        let flags: Vec<Flag> = (0..60).map(|_| Flag::new()).collect();
+        let handles: Vec<_> = flags
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                let guard = f.on_drop();
+                exec.spawn(move || {
+                    let _guard = guard;
+                    yield_now();
+                    if i % 3 == 0 {
+                        panic!("fiber {i} fails");
+                    }
+                    i
+                })
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            match h.join() {
+                Ok(v) => {
+                    assert_ne!(i % 3, 0);
+                    assert_eq!(v, i);
+                }
+                Err(e) => {
+                    assert_eq!(i % 3, 0, "only every third fiber panics: {e}");
+                    assert_eq!(e.panic_message(), Some(format!("fiber {i} fails").as_str()));
+                }
+            }
+        }
+        assert!(flags.iter().all(Flag::is_set), "every fiber's locals were dropped");
+        stage.set("the executor still runs fibers");
+        assert_eq!(exec.block_on(|| 1 + 1).unwrap(), 2);
+        let stats = exec.stats();
+        assert_eq!(stats.completed, stats.spawned, "{stats:?}");
+    });
+}

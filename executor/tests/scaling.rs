@@ -1,0 +1,103 @@
+//! Auto-scaling: sysmon adds workers when hogs hold every worker while work
+//! is pending, and the extra workers retire once idle.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{spin_for, wait_for, watchdog, Flag};
+use spindle_executor::Executor;
+
+#[test]
+fn scales_up_under_hogs_and_back_down_after() {
+    watchdog("scales_up_under_hogs_and_back_down_after", 30, |stage| {
+        let exec = Executor::builder()
+            .workers(2)
+            .max_workers(4)
+            .stuck_threshold(Duration::from_millis(2))
+            .idle_retire(Duration::from_millis(20))
+            .build();
+        assert_eq!(exec.stats().workers, 2);
+        assert_eq!(exec.stats().peak_workers, 2);
+
+        stage.set("two hogs take both workers");
+        let hogging = Arc::new(AtomicUsize::new(0));
+        let hogs: Vec<_> = (0..2)
+            .map(|_| {
+                let hogging = Arc::clone(&hogging);
+                exec.spawn(move || {
+                    hogging.fetch_add(1, Ordering::SeqCst);
+                    // No suspension point at all for ~200 ms.
+                    spin_for(Duration::from_millis(200));
+                })
+            })
+            .collect();
+        wait_for(&stage, "both hogs to run", || hogging.load(Ordering::SeqCst) == 2);
+
+        stage.set("pending work behind the hogs");
+        let work: Vec<_> = (0..50u64).map(|i| exec.spawn(move || i)).collect();
+        assert_eq!(work.into_iter().map(|h| h.join().unwrap()).sum::<u64>(), (0..50).sum());
+        for h in hogs {
+            h.join().unwrap();
+        }
+        let stats = exec.stats();
+        assert!(stats.scale_ups >= 1, "sysmon scaled up: {stats:?}");
+        assert!(stats.peak_workers > 2, "more workers than the base count ran: {stats:?}");
+        assert!(stats.peak_workers <= 4, "never beyond max_workers: {stats:?}");
+
+        wait_for(&stage, "the pool to shrink back to 2 workers", || exec.stats().workers == 2);
+        let stats = exec.stats();
+        assert!(stats.scale_downs >= 1, "extra workers retired: {stats:?}");
+        assert_eq!(stats.workers, 2);
+
+        stage.set("the shrunk pool still runs fibers");
+        let hs: Vec<_> = (0..100u64).map(|i| exec.spawn(move || i)).collect();
+        assert_eq!(hs.into_iter().map(|h| h.join().unwrap()).sum::<u64>(), (0..100).sum());
+    });
+}
+
+#[test]
+fn no_scaling_beyond_max_workers() {
+    watchdog("no_scaling_beyond_max_workers", 30, |stage| {
+        let exec =
+            Executor::builder().workers(1).max_workers(2).stuck_threshold(Duration::from_millis(2)).build();
+        stage.set("three hogs on a pool of at most two workers");
+        let hogs: Vec<_> = (0..3).map(|_| exec.spawn(|| spin_for(Duration::from_millis(100)))).collect();
+        for h in hogs {
+            h.join().unwrap();
+        }
+        let stats = exec.stats();
+        assert_eq!(stats.peak_workers, 2, "scaled to the maximum and no further: {stats:?}");
+        assert!(stats.workers <= 2);
+    });
+}
+
+#[test]
+fn no_scaling_without_pending_work() {
+    watchdog("no_scaling_without_pending_work", 30, |stage| {
+        let exec =
+            Executor::builder().workers(2).max_workers(4).stuck_threshold(Duration::from_millis(2)).build();
+        stage.set("one hog and nothing else queued");
+        let running = Flag::new();
+        let hog = {
+            let running = running.clone();
+            exec.spawn(move || {
+                running.set();
+                spin_for(Duration::from_millis(100));
+            })
+        };
+        // Before the hog starts, its own job is pending work, and on an
+        // overloaded machine a worker the OS has not scheduled yet looks
+        // stuck: count only what happens while the hog runs.
+        wait_for(&stage, "the hog to run", || running.is_set());
+        let before = exec.stats();
+        hog.join().unwrap();
+        let after = exec.stats();
+        assert_eq!(
+            after.scale_ups, before.scale_ups,
+            "a stuck worker alone is no reason to scale: before {before:?}, after {after:?}"
+        );
+    });
+}

@@ -1,0 +1,193 @@
+//! Scopes: fibers borrow from the caller, every one is finished before the
+//! scope returns, and a panicking fiber makes the scope panic at the end.
+
+mod common;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{watchdog, Flag};
+use spindle_executor::{yield_now, Executor};
+
+#[test]
+fn scoped_fibers_borrow_locals_and_all_finish_before_return() {
+    watchdog("scoped_fibers_borrow_locals_and_all_finish_before_return", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let data: Vec<u64> = (1..=10_000).collect();
+        let weights: [u64; 4] = [1, 2, 3, 4];
+        let shared: &[u64] = &weights;
+        let finished = AtomicUsize::new(0);
+        const N: usize = 40;
+
+        stage.set("scope with borrowing fibers, half of them never joined explicitly");
+        let joined_sum = exec.scope(|s| {
+            let chunk = data.len() / N;
+            let handles: Vec<_> = data
+                .chunks(chunk)
+                .enumerate()
+                .map(|(i, part)| {
+                    let finished = &finished;
+                    s.spawn(move || {
+                        let mut acc = 0;
+                        for (k, v) in part.iter().enumerate() {
+                            acc += v * shared[(i + k) % shared.len()];
+                            if k % 50 == 0 {
+                                yield_now();
+                            }
+                        }
+                        finished.fetch_add(1, Ordering::SeqCst);
+                        acc
+                    })
+                })
+                .collect();
+            // Join only the even ones; the scope must wait for the rest.
+            handles
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| i % 2 == 0)
+                .map(|(_, h)| h.join().unwrap())
+                .sum::<u64>()
+        });
+        assert_eq!(finished.load(Ordering::SeqCst), N, "every scoped fiber finished before scope returned");
+        let chunk = data.len() / N;
+        let expected: u64 = data
+            .chunks(chunk)
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 0)
+            .map(|(i, part)| {
+                part.iter().enumerate().map(|(k, v)| v * shared[(i + k) % shared.len()]).sum::<u64>()
+            })
+            .sum();
+        assert_eq!(joined_sum, expected);
+    });
+}
+
+#[test]
+fn scoped_fibers_write_through_disjoint_mutable_borrows() {
+    watchdog("scoped_fibers_write_through_disjoint_mutable_borrows", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let mut out = vec![0u64; 1000];
+        let input: Vec<u64> = (0..1000).collect();
+        stage.set("each fiber fills its own chunk");
+        exec.scope(|s| {
+            for (dst, src) in out.chunks_mut(100).zip(input.chunks(100)) {
+                s.spawn(move || {
+                    for (d, v) in dst.iter_mut().zip(src) {
+                        *d = v * v;
+                        yield_now();
+                    }
+                });
+            }
+        });
+        assert!(out.iter().enumerate().all(|(i, v)| *v == (i * i) as u64));
+    });
+}
+
+#[test]
+fn scope_with_a_panicking_fiber_panics_at_the_end() {
+    watchdog("scope_with_a_panicking_fiber_panics_at_the_end", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let finished = AtomicUsize::new(0);
+        let body_returned = Flag::new();
+        stage.set("a scope where one of eleven fibers panics");
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            exec.scope(|s| {
+                s.spawn(|| {
+                    yield_now();
+                    panic!("scoped fiber fails");
+                });
+                for _ in 0..10 {
+                    s.spawn(|| {
+                        for _ in 0..10 {
+                            yield_now();
+                        }
+                        finished.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+                body_returned.set();
+            })
+        }));
+        let payload = result.expect_err("the scope panics because a fiber did");
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        assert!(msg.contains("scope"), "unexpected panic message: {msg}");
+        assert!(body_returned.is_set(), "the scope panics at the end, after its body");
+        assert_eq!(finished.load(Ordering::SeqCst), 10, "the other fibers still all finished first");
+        stage.set("the executor still works after the scope panicked");
+        assert_eq!(exec.block_on(|| 3).unwrap(), 3);
+    });
+}
+
+#[test]
+fn scope_whose_body_panics_still_waits_for_its_fibers() {
+    watchdog("scope_whose_body_panics_still_waits_for_its_fibers", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let finished = AtomicUsize::new(0);
+        stage.set("the scope body panics after spawning");
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            exec.scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        for _ in 0..20 {
+                            yield_now();
+                        }
+                        finished.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+                panic!("scope body fails");
+            })
+        }));
+        assert!(result.is_err());
+        assert_eq!(finished.load(Ordering::SeqCst), 8, "the fibers finished before the unwind left");
+    });
+}
+
+#[test]
+fn scope_where_the_panic_was_joined_and_handled_returns_normally() {
+    watchdog("scope_where_the_panic_was_joined_and_handled_returns_normally", 30, |stage| {
+        // A panic that the body joined and handled is not propagated again
+        // (the scope's own documentation of its `unwound` flag: "unwound
+        // without being joined"; std::thread::scope behaves the same way).
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a scope that joins its panicking fiber");
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            exec.scope(|s| {
+                let h = s.spawn(|| -> u32 { panic!("handled by the body") });
+                h.join().expect_err("the fiber panicked").panic_message().map(str::to_owned)
+            })
+        }));
+        let seen = result.expect("a joined and handled panic does not make the scope panic");
+        assert_eq!(seen.as_deref(), Some("handled by the body"));
+    });
+}
+
+#[test]
+fn scope_inside_a_fiber() {
+    watchdog("scope_inside_a_fiber", 30, |stage| {
+        let exec = Arc::new(Executor::builder().workers(2).build());
+        stage.set("a fiber runs a scope on its own executor");
+        let e = Arc::clone(&exec);
+        let total = exec
+            .block_on(move || {
+                let local: Vec<u64> = (0..100).collect();
+                let sum = AtomicUsize::new(0);
+                e.scope(|s| {
+                    for part in local.chunks(10) {
+                        let sum = &sum;
+                        s.spawn(move || {
+                            yield_now();
+                            sum.fetch_add(part.iter().sum::<u64>() as usize, Ordering::SeqCst);
+                        });
+                    }
+                });
+                drop(e);
+                sum.load(Ordering::SeqCst)
+            })
+            .unwrap();
+        assert_eq!(total, (0..100).sum::<usize>());
+    });
+}

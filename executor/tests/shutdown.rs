@@ -1,0 +1,229 @@
+//! Shutdown: dropping the executor while fibers sleep, join, yield or wait
+//! in a queue does not hang, unwinds or drops them (destructors run) and
+//! fails their joins with `Cancelled`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{wait_for, watchdog, Flag};
+use spindle_executor::{sleep, yield_now, Executor, Priority, SpawnOptions};
+use spindle_sync::Semaphore;
+
+#[test]
+fn drop_unwinds_fibers_asleep_in_sleep() {
+    watchdog("drop_unwinds_fibers_asleep_in_sleep", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let flags: Vec<Flag> = (0..10).map(|_| Flag::new()).collect();
+        let asleep = Flag::new();
+        let handles: Vec<_> = flags
+            .iter()
+            .map(|f| {
+                let (guard, asleep) = (f.on_drop(), asleep.clone());
+                exec.spawn(move || {
+                    let _g = guard;
+                    asleep.set();
+                    sleep(Duration::from_secs(60));
+                })
+            })
+            .collect();
+        wait_for(&stage, "the sleepers to start", || asleep.is_set());
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(flags.iter().all(Flag::is_set), "every sleeper was unwound");
+        for h in handles {
+            assert!(h.join().expect_err("no value").is_cancelled());
+        }
+    });
+}
+
+#[test]
+fn drop_unwinds_fibers_parked_in_join() {
+    watchdog("drop_unwinds_fibers_parked_in_join", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let sleeper_dropped = Flag::new();
+        let joiner_dropped = Flag::new();
+        let joining = Flag::new();
+        let sleeper = {
+            let guard = sleeper_dropped.on_drop();
+            exec.spawn(move || {
+                let _g = guard;
+                sleep(Duration::from_secs(60));
+            })
+        };
+        let joiner = {
+            let (guard, joining) = (joiner_dropped.on_drop(), joining.clone());
+            exec.spawn(move || {
+                let _g = guard;
+                joining.set();
+                let _ = sleeper.join();
+            })
+        };
+        wait_for(&stage, "the joiner to join", || joining.is_set());
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(sleeper_dropped.is_set(), "the joined sleeper was unwound");
+        assert!(joiner_dropped.is_set(), "the fiber parked in join was unwound");
+        assert!(joiner.join().expect_err("no value").is_cancelled());
+    });
+}
+
+#[test]
+fn drop_unwinds_fibers_parked_in_join_on_a_single_worker() {
+    watchdog("drop_unwinds_fibers_parked_in_join_on_a_single_worker", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let joiner_dropped = Flag::new();
+        let joining = Flag::new();
+        let sleeper = exec.spawn(|| sleep(Duration::from_secs(60)));
+        let joiner = {
+            let (guard, joining) = (joiner_dropped.on_drop(), joining.clone());
+            exec.spawn(move || {
+                let _g = guard;
+                joining.set();
+                let _ = sleeper.join();
+            })
+        };
+        wait_for(&stage, "the joiner to join", || joining.is_set());
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(joiner_dropped.is_set(), "the fiber parked in join was unwound");
+        assert!(joiner.join().expect_err("no value").is_cancelled());
+    });
+}
+
+#[test]
+fn drop_unwinds_yielding_fibers_and_drops_queued_jobs() {
+    watchdog("drop_unwinds_yielding_fibers_and_drops_queued_jobs", 30, |stage| {
+        // One worker: a high-priority fiber that keeps yielding always runs
+        // before low-priority jobs, so those stay queued until shutdown.
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let yielder_dropped = Flag::new();
+        let yielding = Flag::new();
+        let yielder = {
+            let (guard, yielding) = (yielder_dropped.on_drop(), yielding.clone());
+            exec.spawn_with(SpawnOptions::new().priority(Priority::HIGHEST), move || {
+                let _g = guard;
+                yielding.set();
+                loop {
+                    yield_now();
+                }
+            })
+        };
+        wait_for(&stage, "the yielder to run", || yielding.is_set());
+        stage.set("queueing low-priority jobs behind it");
+        let queued: Vec<(Flag, Flag, _)> = (0..20)
+            .map(|_| {
+                let (ran, dropped) = (Flag::new(), Flag::new());
+                let (r, guard) = (ran.clone(), dropped.on_drop());
+                let h = exec.spawn_with(SpawnOptions::new().priority(Priority::LOWEST), move || {
+                    let _g = guard;
+                    r.set();
+                });
+                (ran, dropped, h)
+            })
+            .collect();
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(yielder_dropped.is_set(), "the yielding fiber was unwound");
+        assert!(yielder.join().expect_err("no value").is_cancelled());
+        for (ran, dropped, h) in queued {
+            assert!(!ran.is_set(), "a queued job never ran");
+            assert!(dropped.is_set(), "its closure was dropped");
+            assert!(h.join().expect_err("no value").is_cancelled());
+        }
+    });
+}
+
+#[test]
+fn drop_fails_a_join_blocked_on_another_thread() {
+    watchdog("drop_fails_a_join_blocked_on_another_thread", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let asleep = Flag::new();
+        let h = {
+            let asleep = asleep.clone();
+            exec.spawn(move || {
+                asleep.set();
+                sleep(Duration::from_secs(60));
+            })
+        };
+        wait_for(&stage, "the fiber to sleep", || asleep.is_set());
+        let joiner = std::thread::spawn(move || h.join().map_err(|e| e.is_cancelled()));
+        stage.set("dropping the executor while a thread joins");
+        drop(exec);
+        stage.set("the joining thread returns");
+        assert_eq!(joiner.join().unwrap(), Err(true));
+    });
+}
+
+#[test]
+fn drop_with_everything_at_once() {
+    watchdog("drop_with_everything_at_once", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let flags: Vec<Flag> = (0..300).map(|_| Flag::new()).collect();
+        let gate = Arc::new(Semaphore::new(0));
+        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        stage.set("sleepers, yielders, joiners and queued jobs");
+        let mut handles = Vec::new();
+        for (i, f) in flags.iter().enumerate() {
+            let (guard, started) = (f.on_drop(), Arc::clone(&started));
+            let h = match i % 3 {
+                0 => exec.spawn(move || {
+                    let _g = guard;
+                    started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    sleep(Duration::from_secs(60));
+                }),
+                1 => exec.spawn(move || {
+                    let _g = guard;
+                    started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    loop {
+                        yield_now();
+                    }
+                }),
+                _ => {
+                    let inner = exec.spawn(|| sleep(Duration::from_secs(60)));
+                    exec.spawn(move || {
+                        let _g = guard;
+                        started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _ = inner.join();
+                    })
+                }
+            };
+            handles.push(h);
+        }
+        wait_for(&stage, "everything to start", || {
+            started.load(std::sync::atomic::Ordering::SeqCst) == flags.len()
+        });
+        // And some that cannot start before shutdown: they wait on a gate
+        // that is never opened, behind the yielders.
+        for _ in 0..50 {
+            let gate = Arc::clone(&gate);
+            drop(exec.spawn_with(SpawnOptions::new().priority(Priority::LOWEST), move || gate.acquire()));
+        }
+        stage.set("dropping the executor");
+        drop(exec);
+        let missing: Vec<usize> = (0..flags.len()).filter(|&i| !flags[i].is_set()).collect();
+        assert!(missing.is_empty(), "fibers whose locals were not dropped: {missing:?}");
+        for h in handles {
+            assert!(h.join().expect_err("no value").is_cancelled());
+        }
+    });
+}
+
+#[test]
+fn waking_a_fiber_after_shutdown_is_harmless() {
+    watchdog("waking_a_fiber_after_shutdown_is_harmless", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let h = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || sem.acquire())
+        };
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        stage.set("dropping the executor with a fiber asleep on a semaphore");
+        drop(exec);
+        assert!(h.join().expect_err("no value").is_cancelled());
+        stage.set("releasing the semaphore after shutdown");
+        sem.release(1);
+    });
+}

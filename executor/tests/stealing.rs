@@ -1,0 +1,120 @@
+//! Work stealing: fibers spawned from one fiber end up running on every
+//! worker, and a worker takes jobs queued on a busy worker.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{size, wait_within, watchdog};
+use spindle_executor::{spawn, yield_now, Executor};
+
+/// A little work, so that a fiber is not over before others look for jobs.
+fn busy_work(seed: u64) -> u64 {
+    (0..200u64).fold(seed, |acc, x| acc.wrapping_mul(31).wrapping_add(x))
+}
+
+fn worker_name() -> String {
+    std::thread::current().name().unwrap_or("<unnamed>").to_owned()
+}
+
+#[test]
+fn fibers_spawned_from_one_fiber_run_on_every_worker() {
+    watchdog("fibers_spawned_from_one_fiber_run_on_every_worker", 30, |stage| {
+        // max_workers == workers: no scaling, so "every worker" is exactly
+        // spindle-worker-0 and spindle-worker-1.
+        let exec = Executor::builder().workers(2).max_workers(2).build();
+        let n = size(2_000, 10_000);
+        let seen = Arc::new(Mutex::new(BTreeSet::new()));
+        let started = Arc::new(AtomicUsize::new(0));
+        stage.set("one fiber spawns, waits for stealing, then joins");
+        let (s, st) = (Arc::clone(&seen), Arc::clone(&started));
+        let stolen_while_spawner_busy = exec
+            .block_on(move || {
+                let handles: Vec<_> = (0..n)
+                    .map(|i| {
+                        let (s, st) = (Arc::clone(&s), Arc::clone(&st));
+                        spawn(move || {
+                            st.fetch_add(1, Ordering::SeqCst);
+                            s.lock().unwrap().insert(worker_name());
+                            let mut acc = busy_work(i as u64);
+                            for _ in 0..3 {
+                                yield_now();
+                                acc = busy_work(acc);
+                            }
+                            acc
+                        })
+                    })
+                    .collect();
+                // Spawns go round-robin, so about half of the jobs sit in
+                // this worker's own queue. Keep this worker busy (no yield)
+                // until more than half have started: only the other worker
+                // can have started them, so it stole from this one.
+                let more_than_half = n / 2 + n / 8;
+                let stolen = wait_within(Duration::from_secs(10), || {
+                    std::hint::spin_loop();
+                    st.load(Ordering::SeqCst) >= more_than_half
+                });
+                let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).fold(0, u64::wrapping_add);
+                (stolen, total)
+            })
+            .unwrap();
+        let expected = (0..n as u64)
+            .map(|i| (0..3).fold(busy_work(i), |acc, _| busy_work(acc)))
+            .fold(0, u64::wrapping_add);
+        assert_eq!(stolen_while_spawner_busy.1, expected, "every fiber's result was joined");
+        assert_eq!(started.load(Ordering::SeqCst), n);
+        assert!(
+            stolen_while_spawner_busy.0,
+            "the idle worker did not take the busy worker's jobs within 10 s: {:?}",
+            exec.stats()
+        );
+        let seen = seen.lock().unwrap().clone();
+        let expected_names: BTreeSet<String> =
+            ["spindle-worker-0", "spindle-worker-1"].map(String::from).into();
+        assert_eq!(seen, expected_names, "fibers ran on every worker (and only on workers)");
+        let stats = exec.stats();
+        assert!(stats.steals > 0, "steals counted: {stats:?}");
+    });
+}
+
+#[test]
+fn fibers_spawned_from_one_fiber_spread_over_four_workers() {
+    watchdog("fibers_spawned_from_one_fiber_spread_over_four_workers", 30, |stage| {
+        // More workers than cores. Stealing may legitimately take a whole
+        // queue from a worker the OS has not scheduled yet, so the fiber
+        // spawns waves of short fibers until every worker ran one of them
+        // (bounded: 10 s).
+        let exec = Executor::builder().workers(4).max_workers(4).build();
+        let seen = Arc::new(Mutex::new(BTreeSet::new()));
+        stage.set("one fiber spawns waves until four distinct workers were seen");
+        let s = Arc::clone(&seen);
+        let waves = exec
+            .block_on(move || {
+                let mut waves = 0;
+                wait_within(Duration::from_secs(10), || {
+                    waves += 1;
+                    let handles: Vec<_> = (0..400u64)
+                        .map(|i| {
+                            let s = Arc::clone(&s);
+                            spawn(move || {
+                                s.lock().unwrap().insert(worker_name());
+                                yield_now();
+                                busy_work(i)
+                            })
+                        })
+                        .collect();
+                    let sum = handles.into_iter().map(|h| h.join().unwrap()).fold(0, u64::wrapping_add);
+                    assert_eq!(sum, (0..400).map(busy_work).fold(0, u64::wrapping_add));
+                    s.lock().unwrap().len() >= 4
+                });
+                waves
+            })
+            .unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 4, "not every worker ran a fiber within 10 s ({waves} waves): {seen:?}");
+        assert!(seen.iter().all(|n| n.starts_with("spindle-worker-")), "{seen:?}");
+    });
+}

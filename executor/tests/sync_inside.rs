@@ -1,0 +1,155 @@
+//! `spindle-sync` primitives work unchanged between executor fibers (the
+//! executor implements the fiber crate's wake seam).
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::{size, watchdog};
+use spindle_executor::{spawn, Executor};
+use spindle_sync::{Channel, Msg, Semaphore};
+
+const MESSAGES: u64 = 10_000;
+
+#[test]
+fn semaphore_ping_pong_between_two_fibers() {
+    watchdog("semaphore_ping_pong_between_two_fibers", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let ping = Arc::new(Semaphore::new(0));
+        let pong = Arc::new(Semaphore::new(0));
+        let turns = Arc::new(AtomicU64::new(0));
+        let rounds = MESSAGES;
+        stage.set(format!("{rounds} rounds of ping-pong"));
+        let pinger = {
+            let (ping, pong, turns) = (Arc::clone(&ping), Arc::clone(&pong), Arc::clone(&turns));
+            exec.spawn(move || {
+                for i in 0..rounds {
+                    // Strict alternation: an odd count here means the other
+                    // side ran twice in a row.
+                    assert_eq!(turns.fetch_add(1, Ordering::SeqCst), 2 * i);
+                    ping.release(1);
+                    pong.acquire();
+                }
+            })
+        };
+        let ponger = {
+            let (ping, pong, turns) = (Arc::clone(&ping), Arc::clone(&pong), Arc::clone(&turns));
+            exec.spawn(move || {
+                for i in 0..rounds {
+                    ping.acquire();
+                    assert_eq!(turns.fetch_add(1, Ordering::SeqCst), 2 * i + 1);
+                    pong.release(1);
+                }
+            })
+        };
+        pinger.join().unwrap();
+        ponger.join().unwrap();
+        assert_eq!(turns.load(Ordering::SeqCst), 2 * rounds);
+        assert_eq!(ping.available() + pong.available(), 0);
+    });
+}
+
+#[test]
+fn channel_producer_consumer_between_fibers() {
+    watchdog("channel_producer_consumer_between_fibers", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let chan = Arc::new(Channel::<u64>::new());
+        stage.set(format!("{MESSAGES} messages from one fiber to another"));
+        let consumer = {
+            let chan = Arc::clone(&chan);
+            exec.spawn(move || {
+                let mut sum = 0;
+                for expected in 0..MESSAGES {
+                    let v = chan.pop().into_inner();
+                    assert_eq!(v, expected, "FIFO from a single producer");
+                    sum += v;
+                }
+                sum
+            })
+        };
+        let producer = {
+            let chan = Arc::clone(&chan);
+            exec.spawn(move || {
+                for i in 0..MESSAGES {
+                    chan.push(Msg::new(i));
+                    if i % 64 == 0 {
+                        spindle_executor::yield_now();
+                    }
+                }
+            })
+        };
+        producer.join().unwrap();
+        assert_eq!(consumer.join().unwrap(), (0..MESSAGES).sum::<u64>());
+        assert!(chan.is_empty());
+    });
+}
+
+#[test]
+fn channel_many_producers_many_consumers() {
+    watchdog("channel_many_producers_many_consumers", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let chan = Arc::new(Channel::<u64>::new());
+        let producers = 4u64;
+        let consumers = 4u64;
+        let per_producer = size(2_500, 25_000) as u64;
+        let total = producers * per_producer;
+        assert_eq!(total % consumers, 0);
+        stage.set(format!("{producers} producers, {consumers} consumers, {total} messages"));
+        let sum = exec
+            .block_on(move || {
+                let cs: Vec<_> = (0..consumers)
+                    .map(|_| {
+                        let chan = Arc::clone(&chan);
+                        spawn(move || (0..total / consumers).map(|_| chan.pop().into_inner()).sum::<u64>())
+                    })
+                    .collect();
+                let ps: Vec<_> = (0..producers)
+                    .map(|p| {
+                        let chan = Arc::clone(&chan);
+                        spawn(move || {
+                            for i in 0..per_producer {
+                                chan.push(Msg::new(p * per_producer + i));
+                            }
+                        })
+                    })
+                    .collect();
+                for p in ps {
+                    p.join().unwrap();
+                }
+                cs.into_iter().map(|c| c.join().unwrap()).sum::<u64>()
+            })
+            .unwrap();
+        assert_eq!(sum, (0..total).sum::<u64>());
+    });
+}
+
+#[test]
+fn semaphore_between_a_thread_and_fibers() {
+    watchdog("semaphore_between_a_thread_and_fibers", 30, |stage| {
+        // Fibers wait on a semaphore a plain thread releases, and the thread
+        // waits (parks) on one the fibers release.
+        let exec = Executor::builder().workers(2).build();
+        let to_fibers = Arc::new(Semaphore::new(0));
+        let to_thread = Arc::new(Semaphore::new(0));
+        let n = 100;
+        let hs: Vec<_> = (0..n)
+            .map(|_| {
+                let (rx, tx) = (Arc::clone(&to_fibers), Arc::clone(&to_thread));
+                exec.spawn(move || {
+                    rx.acquire();
+                    tx.release(1);
+                })
+            })
+            .collect();
+        stage.set("releasing the fibers one by one from the thread");
+        for _ in 0..n {
+            to_fibers.release(1);
+            to_thread.acquire();
+        }
+        for h in hs {
+            h.join().unwrap();
+        }
+        assert_eq!(to_fibers.available() + to_thread.available(), 0);
+    });
+}

@@ -1,0 +1,155 @@
+//! Timers: `sleep` and `yield_timeout` inside executor fibers, and early
+//! wakeups through `JoinHandle::wake`.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{wait_for, watchdog, Flag};
+use spindle_executor::{sleep, yield_timeout, Executor};
+
+#[test]
+fn sleep_lasts_at_least_its_duration() {
+    watchdog("sleep_lasts_at_least_its_duration", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a fiber sleeps 20 ms");
+        let slept = exec
+            .block_on(|| {
+                let start = Instant::now();
+                sleep(Duration::from_millis(20));
+                start.elapsed()
+            })
+            .unwrap();
+        assert!(slept >= Duration::from_millis(20), "slept only {slept:?}");
+        assert!(slept < Duration::from_secs(5), "slept far too long: {slept:?}");
+    });
+}
+
+#[test]
+fn sleeping_fibers_free_the_worker() {
+    watchdog("sleeping_fibers_free_the_worker", 30, |stage| {
+        // One worker, 50 fibers each sleeping 100 ms: together well under
+        // 50 x 100 ms, because a sleeping fiber does not hold the worker.
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        stage.set("50 fibers sleep 100 ms each on one worker");
+        let start = Instant::now();
+        let hs: Vec<_> = (0..50)
+            .map(|_| {
+                exec.spawn(|| {
+                    let t = Instant::now();
+                    sleep(Duration::from_millis(100));
+                    t.elapsed()
+                })
+            })
+            .collect();
+        for h in hs {
+            let slept = h.join().unwrap();
+            assert!(slept >= Duration::from_millis(100), "slept only {slept:?}");
+        }
+        let total = start.elapsed();
+        assert!(total < Duration::from_millis(2500), "the sleeps overlapped: {total:?} in all");
+    });
+}
+
+#[test]
+fn timers_fire_in_deadline_order() {
+    watchdog("timers_fire_in_deadline_order", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let woke = Arc::new(std::sync::Mutex::new(Vec::new()));
+        stage.set("fibers sleep 10..=100 ms, spawned longest first");
+        let hs: Vec<_> = (1..=10u64)
+            .rev()
+            .map(|k| {
+                let woke = Arc::clone(&woke);
+                exec.spawn(move || {
+                    sleep(Duration::from_millis(k * 10));
+                    woke.lock().unwrap().push(k);
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        let woke = woke.lock().unwrap().clone();
+        // 10 ms apart: the order is the deadline order on any sane machine,
+        // but allow neighbours to swap under heavy load.
+        assert_eq!(woke.len(), 10);
+        assert!(woke.windows(3).all(|w| w[0] < w[2]), "deadline order: {woke:?}");
+    });
+}
+
+#[test]
+fn yield_timeout_woken_early_returns_false() {
+    watchdog("yield_timeout_woken_early_returns_false", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let waiting = Flag::new();
+        let h = {
+            let waiting = waiting.clone();
+            exec.spawn(move || {
+                let start = Instant::now();
+                waiting.set();
+                let timed_out = yield_timeout(Duration::from_secs(60));
+                (timed_out, start.elapsed())
+            })
+        };
+        wait_for(&stage, "the fiber to start waiting", || waiting.is_set());
+        // The flag is set just before the wait: wake until the fiber is out
+        // (a wake before it waits has no effect).
+        wait_for(&stage, "the woken fiber to finish", || {
+            h.wake();
+            h.is_finished()
+        });
+        let (timed_out, waited) = h.join().unwrap();
+        assert!(!timed_out, "woken early, so not a timeout");
+        assert!(waited < Duration::from_secs(30), "woken long before the timeout: {waited:?}");
+    });
+}
+
+#[test]
+fn yield_timeout_that_runs_out_returns_true() {
+    watchdog("yield_timeout_that_runs_out_returns_true", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a fiber waits 15 ms without a wakeup");
+        let (timed_out, waited) = exec
+            .block_on(|| {
+                let start = Instant::now();
+                let t = yield_timeout(Duration::from_millis(15));
+                (t, start.elapsed())
+            })
+            .unwrap();
+        assert!(timed_out, "nobody woke it");
+        assert!(waited >= Duration::from_millis(15), "waited only {waited:?}");
+    });
+}
+
+#[test]
+fn yield_timeout_repeated_wakeups() {
+    watchdog("yield_timeout_repeated_wakeups", 30, |stage| {
+        // A fiber waits with a long timeout again and again; every wait is
+        // ended by a wake, none by the timer.
+        let exec = Executor::builder().workers(2).build();
+        let rounds = Arc::new(AtomicUsize::new(0));
+        const ROUNDS: usize = 50;
+        let h = {
+            let rounds = Arc::clone(&rounds);
+            exec.spawn(move || {
+                let mut timeouts = 0;
+                for _ in 0..ROUNDS {
+                    rounds.fetch_add(1, Ordering::SeqCst);
+                    if yield_timeout(Duration::from_secs(60)) {
+                        timeouts += 1;
+                    }
+                }
+                timeouts
+            })
+        };
+        wait_for(&stage, "all rounds to be woken", || {
+            h.wake();
+            h.is_finished()
+        });
+        assert_eq!(h.join().unwrap(), 0, "no wait ran out");
+        assert_eq!(rounds.load(Ordering::SeqCst), ROUNDS);
+    });
+}
