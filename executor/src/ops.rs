@@ -16,7 +16,7 @@ static YIELD_TIMEOUT: WaitReason = WaitReason("a wakeup or timer (yield_timeout)
 /// nested inside one).
 pub(crate) fn current_task() -> Option<(usize, &'static crate::worker::WorkerCtx)> {
     let w = current_worker()?;
-    let me = spindle_fiber::current()?.id().as_u64();
+    let me = spindle_fiber::current_id()?.as_u64();
     let ws = w.me();
     if ws.hot.running_fiber.load(Ordering::Relaxed) != me {
         return None;
@@ -58,8 +58,8 @@ where
 /// queue for its priority class. On an ordinary thread, yields the thread.
 /// A cancelled fiber unwinds here.
 pub fn yield_now() {
-    check_cancel();
     spindle_fiber::yield_now();
+    // A cancel that came before the yield is seen here too.
     check_cancel();
 }
 

@@ -331,8 +331,13 @@ impl Shared {
                 continue;
             }
             let victim = &self.workers[v];
-            let got = retry(|| victim.stealers[class].steal_batch_and_pop(local))
-                .or_else(|| retry(|| victim.fresh[class].steal_batch_and_pop(local)));
+            let (deque, injector) = (&victim.stealers[class], &victim.fresh[class]);
+            let got = (!deque.is_empty())
+                .then(|| retry(|| deque.steal_batch_and_pop(local)))
+                .flatten()
+                .or_else(|| {
+                    (!injector.is_empty()).then(|| retry(|| injector.steal_batch_and_pop(local))).flatten()
+                });
             if let Some(t) = got {
                 WorkerCounters::bump(&self.workers[me].hot.counters.steals);
                 crate::trace_event!(worker = me, victim = v, "steal");

@@ -139,11 +139,15 @@ impl Worker {
             if let Some(j) = local.pop() {
                 return Some(Next::Fresh(j));
             }
-            if let Some(j) = retry(|| ctx.me().fresh[class].steal_batch_and_pop(local)) {
-                return Some(Next::Fresh(j));
+            let own = &ctx.me().fresh[class];
+            if !own.is_empty() {
+                if let Some(j) = retry(|| own.steal_batch_and_pop(local)) {
+                    return Some(Next::Fresh(j));
+                }
             }
-            if active {
-                if let Some(j) = retry(|| ctx.shared.global[class].steal_batch_and_pop(local)) {
+            let global = &ctx.shared.global[class];
+            if active && !global.is_empty() {
+                if let Some(j) = retry(|| global.steal_batch_and_pop(local)) {
                     return Some(Next::Fresh(j));
                 }
             }

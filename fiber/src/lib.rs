@@ -54,8 +54,8 @@ mod stack;
 mod state;
 
 pub use current::{
-    current, current_sched_data, in_fiber, set_current_priority, sleep, sleep_on, yield_now, yield_value,
-    CurrentFiber, Waiter,
+    current, current_id, current_sched_data, in_fiber, set_current_priority, sleep, sleep_on, yield_now,
+    yield_value, CurrentFiber, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
