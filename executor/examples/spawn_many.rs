@@ -8,10 +8,7 @@ use std::time::Instant;
 
 fn main() {
     let workers = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2);
-    let exec = spindle_executor::Executor::builder()
-        .workers(workers)
-        .max_workers(workers)
-        .build();
+    let exec = spindle_executor::Executor::builder().workers(workers).max_workers(workers).build();
     let n = 1_000_000u64;
 
     let only_fiber = std::env::args().nth(2).is_some_and(|a| a == "fiber");
@@ -21,10 +18,7 @@ fn main() {
     let s: u64 = hs.into_iter().map(|h| h.join().unwrap()).sum();
     let el = t.elapsed();
     assert_eq!(s, n1 * (n1 - 1) / 2);
-    println!(
-        "from a thread: {n1} spawn+join in {el:?}: {:.2} M/s",
-        n1 as f64 / el.as_secs_f64() / 1e6
-    );
+    println!("from a thread: {n1} spawn+join in {el:?}: {:.2} M/s", n1 as f64 / el.as_secs_f64() / 1e6);
 
     let t = Instant::now();
     let s = exec
@@ -35,9 +29,6 @@ fn main() {
         .unwrap();
     let el = t.elapsed();
     assert_eq!(s, n * (n - 1) / 2);
-    println!(
-        "from a fiber:  {n} spawn+join in {el:?}: {:.2} M/s",
-        n as f64 / el.as_secs_f64() / 1e6
-    );
+    println!("from a fiber:  {n} spawn+join in {el:?}: {:.2} M/s", n as f64 / el.as_secs_f64() / 1e6);
     println!("{:?}", exec.stats());
 }

@@ -4,7 +4,7 @@
 //! Run with:
 //!
 //! ```text
-//! LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//! LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
 //!     cargo test --release -p spindle-fiber --test loom
 //! ```
 //!
@@ -137,6 +137,9 @@ struct World {
     released: Mutex<usize>,
     released_cv: Condvar,
     coverage: &'static Coverage,
+    /// Rounds whose wake was deferred in this execution (not modelled state:
+    /// bookkeeping for the coverage check).
+    deferred: [StdAtomicBool; ROUNDS],
 }
 
 impl World {
@@ -169,6 +172,7 @@ impl World {
             released: Mutex::new(0),
             released_cv: Condvar::new(),
             coverage,
+            deferred: [const { StdAtomicBool::new(false) }; ROUNDS],
         }
     }
 
@@ -339,6 +343,7 @@ impl World {
             }
             WakeTransition::Deferred => {
                 self.coverage.deferred[r].store(true, StdOrdering::Relaxed);
+                self.deferred[r].store(true, StdOrdering::Relaxed);
             }
         }
     }
@@ -395,18 +400,26 @@ impl World {
         assert!(q.fibers.is_empty() && q.finished);
         if sleeps == ROUNDS {
             self.coverage.slept_every_round.store(true, StdOrdering::Relaxed);
+            if self.deferred[0].load(StdOrdering::Relaxed) {
+                self.coverage
+                    .deferred_then_slept
+                    .store(true, StdOrdering::Relaxed);
+            }
         }
     }
 }
 
 /// Which interesting paths some execution took (outside the model: loom
-/// does not see these). Checked after `loom::model` so that a model that
+/// does not see these). Checked after the model so that a model that
 /// stops exploring them fails instead of passing vacuously.
 struct Coverage {
     owned: [StdAtomicBool; ROUNDS],
     deferred: [StdAtomicBool; ROUNDS],
     already_woken: StdAtomicBool,
     slept_every_round: StdAtomicBool,
+    /// Round 1's wake deferred (`RunningWoken`), and round 2 slept all the
+    /// same: the interleaving that catches a stale "woken" flag.
+    deferred_then_slept: StdAtomicBool,
 }
 
 impl Coverage {
@@ -416,13 +429,14 @@ impl Coverage {
             deferred: [const { StdAtomicBool::new(false) }; ROUNDS],
             already_woken: StdAtomicBool::new(false),
             slept_every_round: StdAtomicBool::new(false),
+            deferred_then_slept: StdAtomicBool::new(false),
         }
     }
 
     /// Every wake path in every round, and an execution that slept in
     /// every round.
     fn assert_complete(&self) {
-        if !expect_coverage() {
+        if preemption_bound() < DEFAULT_PREEMPTIONS {
             return;
         }
         for r in 0..ROUNDS {
@@ -475,10 +489,24 @@ fn run_model(w: &Arc<World>) {
     w.check_end();
 }
 
-/// Whether the preemption bound lets loom reach the interleavings the
-/// coverage check expects.
-fn expect_coverage() -> bool {
-    std::env::var("LOOM_MAX_PREEMPTIONS").map_or(true, |v| v.parse::<usize>().map_or(true, |n| n >= 2))
+/// The preemption bound used when `LOOM_MAX_PREEMPTIONS` is not set. Three
+/// is the smallest that reaches "round 1's wake deferred, round 2 really
+/// sleeps" (the waker must be stopped between its two releases, the runner
+/// between its link and its switch); it takes a second or two.
+const DEFAULT_PREEMPTIONS: usize = 3;
+
+fn preemption_bound() -> usize {
+    std::env::var("LOOM_MAX_PREEMPTIONS").map_or(DEFAULT_PREEMPTIONS, |v| {
+        v.parse().expect("invalid value for LOOM_MAX_PREEMPTIONS")
+    })
+}
+
+/// `loom::model` with the preemption bound above (without a bound these
+/// models do not finish in minutes).
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(preemption_bound());
+    builder.check(f);
 }
 
 /// Two rounds: a sleeper, a waker releasing twice, a scheduler. The fiber
@@ -489,7 +517,7 @@ fn expect_coverage() -> bool {
 #[test]
 fn sleep_wake_two_rounds() {
     static COVERAGE: Coverage = Coverage::new();
-    loom::model(|| run_model(&Arc::new(World::new(true, false, &COVERAGE))));
+    model(|| run_model(&Arc::new(World::new(true, false, &COVERAGE))));
     COVERAGE.assert_complete();
 }
 
@@ -501,7 +529,7 @@ fn sleep_wake_two_rounds() {
 #[test]
 fn sleep_wake_two_rounds_back_to_back() {
     static COVERAGE: Coverage = Coverage::new();
-    loom::model(|| run_model(&Arc::new(World::new(false, false, &COVERAGE))));
+    model(|| run_model(&Arc::new(World::new(false, false, &COVERAGE))));
     COVERAGE.assert_complete();
 }
 
@@ -512,7 +540,7 @@ fn sleep_wake_two_rounds_back_to_back() {
 #[test]
 fn wake_before_link() {
     static COVERAGE: Coverage = Coverage::new();
-    loom::model(|| {
+    model(|| {
         let w = Arc::new(World::new(false, true, &COVERAGE));
         run_model(&w);
         let sleeps = w.stack.with(|s| unsafe { (*s).sleeps });

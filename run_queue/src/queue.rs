@@ -20,6 +20,10 @@
 //! fiber) or after its step 2 registered it (the pusher sees `sleepers > 0`
 //! and notifies). Both read and write `sleepers` under the lock, so there is
 //! no third order.
+//!
+//! `run_queue/tests/loom.rs` model-checks this file's code under loom: the
+//! `sync` module at the end swaps parking_lot for loom's mutex and condvar when
+//! built with `--cfg loom` (loom cannot see parking_lot).
 
 use std::cmp::Reverse;
 use std::fmt;
@@ -28,13 +32,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
 use priority_queue::PriorityQueue;
 use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule};
 
+use self::sync::{Condvar, Mutex, MutexGuard};
+
 /// How many times an idle popper polls before parking: waking a parked
 /// thread costs tens of microseconds, a short spin catches most handoffs.
-const SPINS: u32 = 64;
+/// (Two under loom: one of each kind of poll is enough for the model.)
+const SPINS: u32 = if cfg!(loom) { 2 } else { 64 };
 
 /// A fiber in the queue, hashed and compared by id.
 struct Entry<T>(Fiber<T>);
@@ -350,7 +356,7 @@ impl<T> RunQueue<T> {
 impl<T> Shared<T> {
     /// Inserts a fiber already marked `Queued`, then notifies a parked
     /// popper if there is one (pusher steps 1 and 2).
-    fn insert(&self, mut synced: parking_lot::MutexGuard<'_, Synced<T>>, fiber: Fiber<T>) {
+    fn insert(&self, mut synced: MutexGuard<'_, Synced<T>>, fiber: Fiber<T>) {
         let key = (fiber.priority(), Reverse(synced.seq));
         synced.seq += 1;
         synced.heap.push(Entry(fiber), key);
@@ -425,5 +431,83 @@ impl<T> fmt::Debug for RunQueue<T> {
             .field("capacity", &self.capacity())
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+/// The queue's lock and condvar: parking_lot normally; under `--cfg loom`,
+/// the same API over loom's primitives, so that the loom models run this
+/// file's code. Loom has no clock: there a timed wait never times out, it
+/// waits until notified (a lost notification is then a deadlock, which loom
+/// reports).
+#[cfg(not(loom))]
+mod sync {
+    pub(crate) use parking_lot::{Condvar, Mutex, MutexGuard};
+}
+
+#[cfg(loom)]
+mod sync {
+    use std::ops::{Deref, DerefMut};
+    use std::time::Instant;
+
+    pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
+
+    /// `None` only while a condvar wait holds the inner guard.
+    pub(crate) struct MutexGuard<'a, T>(Option<loom::sync::MutexGuard<'a, T>>);
+
+    pub(crate) struct Condvar(loom::sync::Condvar);
+
+    pub(crate) struct WaitTimeoutResult;
+
+    impl<T> Mutex<T> {
+        pub(crate) fn new(value: T) -> Mutex<T> {
+            Mutex(loom::sync::Mutex::new(value))
+        }
+
+        pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+            MutexGuard(Some(self.0.lock().expect("run queue lock poisoned")))
+        }
+    }
+
+    impl<T> Deref for MutexGuard<'_, T> {
+        type Target = T;
+        fn deref(&self) -> &T {
+            self.0.as_ref().expect("guard held")
+        }
+    }
+
+    impl<T> DerefMut for MutexGuard<'_, T> {
+        fn deref_mut(&mut self) -> &mut T {
+            self.0.as_mut().expect("guard held")
+        }
+    }
+
+    impl Condvar {
+        pub(crate) fn new() -> Condvar {
+            Condvar(loom::sync::Condvar::new())
+        }
+
+        pub(crate) fn notify_one(&self) {
+            self.0.notify_one();
+        }
+
+        pub(crate) fn wait<T>(&self, guard: &mut MutexGuard<'_, T>) {
+            let inner = guard.0.take().expect("guard held");
+            guard.0 = Some(self.0.wait(inner).expect("run queue lock poisoned"));
+        }
+
+        pub(crate) fn wait_until<T>(
+            &self,
+            guard: &mut MutexGuard<'_, T>,
+            _deadline: Instant,
+        ) -> WaitTimeoutResult {
+            self.wait(guard);
+            WaitTimeoutResult
+        }
+    }
+
+    impl WaitTimeoutResult {
+        pub(crate) fn timed_out(&self) -> bool {
+            false
+        }
     }
 }

@@ -17,48 +17,40 @@ use spindle_sync::{Channel, Msg, MsgHeader, RawChannel};
 /// onto its run queue and it sees the message.
 #[test]
 fn a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it() {
-    watchdog(
-        "a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it",
-        30,
-        |stage| {
-            let chan = Arc::new(Channel::<u64>::new());
-            assert!(chan.try_pop().is_none());
-            assert!(chan.is_empty());
-            assert_eq!((chan.len(), chan.receivers()), (0, 0));
+    watchdog("a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it", 30, |stage| {
+        let chan = Arc::new(Channel::<u64>::new());
+        assert!(chan.try_pop().is_none());
+        assert!(chan.is_empty());
+        assert_eq!((chan.len(), chan.receivers()), (0, 0));
 
-            let queue = RunQueue::<u64>::new(4);
-            let rx = chan.clone();
-            let f = fiber(Priority::NORMAL, move || rx.pop().into_inner());
-            queue.try_push(f.clone()).unwrap();
+        let queue = RunQueue::<u64>::new(4);
+        let rx = chan.clone();
+        let f = fiber(Priority::NORMAL, move || rx.pop().into_inner());
+        queue.try_push(f.clone()).unwrap();
 
-            stage.set("first run: the receiver should go to sleep");
-            let ran = queue.run_next().unwrap();
-            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
-            assert_eq!(f.state(), FiberState::Sleeping);
-            assert!(queue.is_empty());
-            assert_eq!(chan.receivers(), 1);
-            match f.run() {
-                Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
-                other => panic!("running a sleeping fiber gave {other:?}"),
-            }
+        stage.set("first run: the receiver should go to sleep");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+        assert_eq!(f.state(), FiberState::Sleeping);
+        assert!(queue.is_empty());
+        assert_eq!(chan.receivers(), 1);
+        match f.run() {
+            Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
+            other => panic!("running a sleeping fiber gave {other:?}"),
+        }
 
-            chan.push(Msg::new(42));
-            assert_eq!(f.state(), FiberState::Queued);
-            assert_eq!(queue.len(), 1, "the push woke the receiver onto its queue");
-            assert_eq!(queue.stats().wakes, 1);
-            assert_eq!(chan.receivers(), 0);
-            assert_eq!(chan.len(), 0, "the message went straight to the receiver");
+        chan.push(Msg::new(42));
+        assert_eq!(f.state(), FiberState::Queued);
+        assert_eq!(queue.len(), 1, "the push woke the receiver onto its queue");
+        assert_eq!(queue.stats().wakes, 1);
+        assert_eq!(chan.receivers(), 0);
+        assert_eq!(chan.len(), 0, "the message went straight to the receiver");
 
-            stage.set("second run: the woken receiver should return the message");
-            let ran = queue.run_next().unwrap();
-            assert!(
-                matches!(ran.outcome, Ok(RunOutcome::Returned(42))),
-                "{:?}",
-                ran.outcome
-            );
-            assert!(chan.try_pop().is_none());
-        },
-    );
+        stage.set("second run: the woken receiver should return the message");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(42))), "{:?}", ran.outcome);
+        assert!(chan.try_pop().is_none());
+    });
 }
 
 /// Two messages already queued: the fiber takes both without sleeping.
@@ -91,17 +83,13 @@ fn messages_and_waiting_receivers_are_both_fifo() {
         for i in 0..100 {
             chan.push(Msg::new(i));
         }
-        let got: Vec<usize> = std::iter::from_fn(|| chan.try_pop())
-            .map(Msg::into_inner)
-            .collect();
+        let got: Vec<usize> = std::iter::from_fn(|| chan.try_pop()).map(Msg::into_inner).collect();
         assert_eq!(got, (0..100).collect::<Vec<_>>());
 
         let queue = RunQueue::<(usize, usize)>::new(N);
         for i in 0..N {
             let rx = chan.clone();
-            queue
-                .try_push(fiber(Priority::NORMAL, move || (i, rx.pop().into_inner())))
-                .unwrap();
+            queue.try_push(fiber(Priority::NORMAL, move || (i, rx.pop().into_inner()))).unwrap();
         }
         stage.set("putting the receivers to sleep");
         while let Some(ran) = queue.run_next() {
@@ -188,10 +176,7 @@ fn raw_channel_carries_a_trailing_payload_block() {
 
     watchdog("raw_channel_carries_a_trailing_payload_block", 30, |_stage| {
         let chan = Arc::new(RawChannel::new());
-        let mut block = Box::new(Block {
-            hdr: MsgHeader::new(std::ptr::null_mut(), 0),
-            payload: [0; 64],
-        });
+        let mut block = Box::new(Block { hdr: MsgHeader::new(std::ptr::null_mut(), 0), payload: [0; 64] });
         // SAFETY: `payload` directly follows `hdr` in the repr(C) struct
         // (MsgHeader's size is a multiple of the payload's alignment).
         unsafe { MsgHeader::init_trailing(&mut block.hdr, 64) };
@@ -278,11 +263,7 @@ fn dropping_a_channel_drops_queued_messages() {
     assert_eq!(first.1, 0);
     assert_eq!(drops.drops(), 0);
     drop(chan);
-    assert_eq!(
-        drops.drops(),
-        4,
-        "the four queued values are dropped with the channel"
-    );
+    assert_eq!(drops.drops(), 4, "the four queued values are dropped with the channel");
     drop(first);
     assert_eq!(drops.drops(), 5);
 }
@@ -333,9 +314,8 @@ fn threads_and_fibers_exchange_messages() {
             // The reply may already be there.
             Ok(RunOutcome::Returned(v)) => v,
             Ok(RunOutcome::Slept) => {
-                let popped = queue
-                    .pop_timeout(std::time::Duration::from_secs(600))
-                    .expect("the reply wakes it");
+                let popped =
+                    queue.pop_timeout(std::time::Duration::from_secs(600)).expect("the reply wakes it");
                 assert!(Fiber::ptr_eq(&popped, &f));
                 queue.run_popped(popped).outcome.unwrap().unwrap_returned()
             }

@@ -26,10 +26,8 @@ fn higher_priorities_finish_first_under_saturation() {
     watchdog("higher_priorities_finish_first_under_saturation", 30, |stage| {
         let queue = RunQueue::<(Priority, usize)>::new(3 * PER_LEVEL);
         let finished = Arc::new(Mutex::new(Vec::new()));
-        let mut order: Vec<(Priority, usize)> = LEVELS
-            .iter()
-            .flat_map(|&p| (0..PER_LEVEL).map(move |i| (p, i)))
-            .collect();
+        let mut order: Vec<(Priority, usize)> =
+            LEVELS.iter().flat_map(|&p| (0..PER_LEVEL).map(move |i| (p, i))).collect();
         XorShift::new(7).shuffle(&mut order);
         for &(p, i) in &order {
             let done = finished.clone();
@@ -88,11 +86,7 @@ fn woken_high_priority_fibers_overtake_busy_low_ones() {
             // Half start high; half (the odd ones) start lowest and ask to
             // be woken high.
             let raised = i % 2 == 1;
-            let start = if raised {
-                Priority::LOWEST
-            } else {
-                Priority::HIGHEST
-            };
+            let start = if raised { Priority::LOWEST } else { Priority::HIGHEST };
             queue
                 .try_push(fiber(start, move || {
                     if raised {
@@ -140,9 +134,7 @@ fn woken_high_priority_fibers_overtake_busy_low_ones() {
         stage.set("running low fibers until another thread opens the gate");
         let mut returned = Vec::new();
         while returned.len() < LOW + HIGH {
-            let f = queue
-                .pop_timeout(Duration::from_secs(600))
-                .expect("the low fibers keep the queue busy");
+            let f = queue.pop_timeout(Duration::from_secs(600)).expect("the low fibers keep the queue busy");
             match queue.run_popped(f).outcome {
                 Ok(RunOutcome::Yielded(_) | RunOutcome::Slept) => {}
                 Ok(RunOutcome::Returned(v)) => returned.push(v),
@@ -153,11 +145,7 @@ fn woken_high_priority_fibers_overtake_busy_low_ones() {
         assert!(queue.is_empty());
         assert_eq!(*finished.lock().unwrap(), returned);
         let kinds: String = returned.iter().map(|&(k, _)| k).collect();
-        assert_eq!(
-            kinds,
-            "H".repeat(HIGH) + &"L".repeat(LOW),
-            "finish order {returned:?}"
-        );
+        assert_eq!(kinds, "H".repeat(HIGH) + &"L".repeat(LOW), "finish order {returned:?}");
         // Within each kind, FIFO: the gate woke high fibers in the order
         // they slept (the HIGHEST ones first, then the raised ones).
         let high: Vec<usize> = returned[..HIGH].iter().map(|&(_, i)| i).collect();

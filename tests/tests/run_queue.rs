@@ -36,9 +36,7 @@ fn full_queue_refuses_and_pops_come_out_by_priority() {
         for (pos, &i) in order.iter().enumerate() {
             let p = Priority(rng.below(levels) as u8);
             fibers[i].set_priority(p);
-            queue
-                .try_push(fibers[i].clone())
-                .unwrap_or_else(|e| panic!("trial {trial}: push {pos}: {e}"));
+            queue.try_push(fibers[i].clone()).unwrap_or_else(|e| panic!("trial {trial}: push {pos}: {e}"));
             assert_eq!(fibers[i].state(), FiberState::Queued);
             pushed.push((p, pos, i));
         }
@@ -53,9 +51,7 @@ fn full_queue_refuses_and_pops_come_out_by_priority() {
         }
         full_pushes += 1;
         // The refused fiber can be recovered through into_fiber too.
-        let err = queue
-            .try_push(extra.clone())
-            .expect_err("the queue is still full");
+        let err = queue.try_push(extra.clone()).expect_err("the queue is still full");
         assert!(matches!(err, PushError::Full(_)), "{err:?}");
         assert!(Fiber::ptr_eq(&err.into_fiber(), &extra));
         full_pushes += 1;
@@ -65,13 +61,8 @@ fn full_queue_refuses_and_pops_come_out_by_priority() {
         pushed.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut last = Priority::HIGHEST;
         for (k, &(p, _, i)) in pushed.iter().enumerate() {
-            let popped = queue
-                .try_pop()
-                .unwrap_or_else(|| panic!("trial {trial}: pop {k} was empty"));
-            assert!(
-                popped.priority() <= last,
-                "trial {trial}: pop {k} went up in priority"
-            );
+            let popped = queue.try_pop().unwrap_or_else(|| panic!("trial {trial}: pop {k} was empty"));
+            assert!(popped.priority() <= last, "trial {trial}: pop {k} went up in priority");
             last = popped.priority();
             assert!(
                 Fiber::ptr_eq(&popped, &fibers[i]),
@@ -81,10 +72,7 @@ fn full_queue_refuses_and_pops_come_out_by_priority() {
             );
             assert_eq!(popped.state(), FiberState::Ready, "a popped fiber is runnable");
         }
-        assert!(
-            queue.try_pop().is_none(),
-            "trial {trial}: the queue should be empty"
-        );
+        assert!(queue.try_pop().is_none(), "trial {trial}: the queue should be empty");
         assert!(queue.is_empty());
     }
 
@@ -132,13 +120,8 @@ fn equal_priorities_pop_in_fifo_order_round_after_round() {
         let mut seen = [false; N];
         let mut this_round = Vec::with_capacity(N);
         for k in 0..N {
-            let f = queue
-                .try_pop()
-                .unwrap_or_else(|| panic!("round {round}: pop {k} was empty"));
-            let i = fibers
-                .iter()
-                .position(|g| Fiber::ptr_eq(g, &f))
-                .expect("a fiber we pushed");
+            let f = queue.try_pop().unwrap_or_else(|| panic!("round {round}: pop {k} was empty"));
+            let i = fibers.iter().position(|g| Fiber::ptr_eq(g, &f)).expect("a fiber we pushed");
             assert!(!seen[i], "round {round}: fiber {i} popped twice");
             seen[i] = true;
             this_round.push(i);
@@ -147,11 +130,7 @@ fn equal_priorities_pop_in_fifo_order_round_after_round() {
         assert!(seen.iter().all(|&s| s), "round {round}: some fiber was not seen");
         match &first_round {
             None => {
-                assert_eq!(
-                    this_round,
-                    (0..N).collect::<Vec<_>>(),
-                    "the first round is push order"
-                );
+                assert_eq!(this_round, (0..N).collect::<Vec<_>>(), "the first round is push order");
                 first_round = Some(this_round);
             }
             Some(first) => assert_eq!(&this_round, first, "round {round} changed the order"),
@@ -199,11 +178,7 @@ fn yielding_fibers_run_round_robin() {
         let log = log.lock().unwrap();
         assert_eq!(log.len(), N * (YIELDS + 1));
         for (round, chunk) in log.chunks(N).enumerate() {
-            assert_eq!(
-                chunk,
-                (0..N).collect::<Vec<_>>(),
-                "round {round} is not round-robin"
-            );
+            assert_eq!(chunk, (0..N).collect::<Vec<_>>(), "round {round} is not round-robin");
         }
         let stats = queue.stats();
         assert_eq!(stats.pops, (N * (YIELDS + 1)) as u64);
@@ -318,9 +293,8 @@ fn set_priority_moves_a_queued_fiber() {
     d.set_priority(Priority::LOWEST);
     assert_eq!(d.priority(), Priority::LOWEST);
 
-    let order: Vec<char> = std::iter::from_fn(|| queue.try_pop())
-        .map(|f| f.run().unwrap().unwrap_returned())
-        .collect();
+    let order: Vec<char> =
+        std::iter::from_fn(|| queue.try_pop()).map(|f| f.run().unwrap().unwrap_returned()).collect();
     assert_eq!(order, ['c', 'b', 'd', 'a']);
 
     // A fiber that is not queued just gets the new priority.
@@ -335,9 +309,8 @@ fn set_priority_moves_a_queued_fiber() {
     queue.try_push(g.clone()).unwrap();
     queue.try_push(f.clone()).unwrap();
     queue.try_push(e.clone()).unwrap();
-    let order: Vec<char> = std::iter::from_fn(|| queue.try_pop())
-        .map(|f| f.run().unwrap().unwrap_returned())
-        .collect();
+    let order: Vec<char> =
+        std::iter::from_fn(|| queue.try_pop()).map(|f| f.run().unwrap().unwrap_returned()).collect();
     assert_eq!(order, ['e', 'f', 'g']);
 }
 
@@ -391,10 +364,7 @@ fn pop_timeout_on_an_empty_queue_times_out() {
         let start = Instant::now();
         assert!(queue.pop_timeout(timeout).is_none());
         let waited = start.elapsed();
-        assert!(
-            waited >= timeout,
-            "returned after {waited:?}, before the {timeout:?} timeout"
-        );
+        assert!(waited >= timeout, "returned after {waited:?}, before the {timeout:?} timeout");
         let stats = queue.stats();
         assert!(stats.parks >= 1, "an idle popper parks: {stats:?}");
         assert_eq!(stats.empty_pops, 1);
@@ -402,9 +372,7 @@ fn pop_timeout_on_an_empty_queue_times_out() {
 
         // A queued fiber is returned at once.
         queue.try_push(fiber(Priority::NORMAL, || ())).unwrap();
-        let popped = queue
-            .pop_timeout(Duration::from_secs(3600))
-            .expect("a queued fiber");
+        let popped = queue.pop_timeout(Duration::from_secs(3600)).expect("a queued fiber");
         assert_eq!(popped.state(), FiberState::Ready);
     });
 }
@@ -420,9 +388,7 @@ fn pop_timeout_returns_a_fiber_pushed_while_it_waits() {
             let start = Instant::now();
             let f = q.pop_timeout(Duration::from_secs(600));
             let waited = start.elapsed();
-            let value = f
-                .as_ref()
-                .map(|f| q.run_popped(f.clone()).outcome.unwrap().unwrap_returned());
+            let value = f.as_ref().map(|f| q.run_popped(f.clone()).outcome.unwrap().unwrap_returned());
             (f, value, waited)
         });
         stage.set("waiting for the popper to park (stats().parks > 0)");
@@ -444,25 +410,21 @@ fn pop_timeout_returns_a_fiber_pushed_while_it_waits() {
 /// gets a fiber pushed later, instead of overflowing the deadline.
 #[test]
 fn pop_timeout_with_an_unbounded_timeout_waits_for_a_push() {
-    watchdog(
-        "pop_timeout_with_an_unbounded_timeout_waits_for_a_push",
-        30,
-        |stage| {
-            let queue = RunQueue::<u64>::new(1);
-            let q = queue.clone();
-            let popper = thread::spawn(move || q.pop_timeout(Duration::MAX).is_some());
-            stage.set("waiting for the popper to park (or to fail)");
-            spin_until(|| queue.stats().parks > 0 || popper.is_finished());
-            queue.try_push(fiber(Priority::NORMAL, || 1)).unwrap();
-            stage.set("waiting for the parked popper to return the pushed fiber");
-            match popper.join() {
-                Ok(got) => assert!(got, "the popper should get the pushed fiber"),
-                Err(_) => {
-                    panic!("pop_timeout(Duration::MAX) panicked instead of waiting (deadline overflow?)")
-                }
+    watchdog("pop_timeout_with_an_unbounded_timeout_waits_for_a_push", 30, |stage| {
+        let queue = RunQueue::<u64>::new(1);
+        let q = queue.clone();
+        let popper = thread::spawn(move || q.pop_timeout(Duration::MAX).is_some());
+        stage.set("waiting for the popper to park (or to fail)");
+        spin_until(|| queue.stats().parks > 0 || popper.is_finished());
+        queue.try_push(fiber(Priority::NORMAL, || 1)).unwrap();
+        stage.set("waiting for the parked popper to return the pushed fiber");
+        match popper.join() {
+            Ok(got) => assert!(got, "the popper should get the pushed fiber"),
+            Err(_) => {
+                panic!("pop_timeout(Duration::MAX) panicked instead of waiting (deadline overflow?)")
             }
-        },
-    );
+        }
+    });
 }
 
 /// Several parked poppers and as many pushes from another thread: every

@@ -17,55 +17,47 @@ use spindle_sync::Semaphore;
 /// onto its run queue and it holds the token.
 #[test]
 fn a_fiber_sleeps_on_an_empty_semaphore_and_release_wakes_it() {
-    watchdog(
-        "a_fiber_sleeps_on_an_empty_semaphore_and_release_wakes_it",
-        30,
-        |stage| {
-            let sem = Arc::new(Semaphore::new(0));
-            assert!(!sem.try_acquire());
-            assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    watchdog("a_fiber_sleeps_on_an_empty_semaphore_and_release_wakes_it", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        assert!(!sem.try_acquire());
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
 
-            let queue = RunQueue::<&'static str>::new(4);
-            let s = sem.clone();
-            let f = fiber(Priority::NORMAL, move || {
-                s.acquire();
-                "acquired"
-            });
-            queue.try_push(f.clone()).unwrap();
+        let queue = RunQueue::<&'static str>::new(4);
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            s.acquire();
+            "acquired"
+        });
+        queue.try_push(f.clone()).unwrap();
 
-            stage.set("first run: the fiber should go to sleep");
-            let ran = queue.run_next().unwrap();
-            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
-            assert_eq!(f.state(), FiberState::Sleeping);
-            assert!(queue.is_empty(), "a sleeping fiber is not in the run queue");
-            assert_eq!(sem.waiters(), 1);
-            assert_eq!(f.stats().sleeps, 1);
+        stage.set("first run: the fiber should go to sleep");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+        assert_eq!(f.state(), FiberState::Sleeping);
+        assert!(queue.is_empty(), "a sleeping fiber is not in the run queue");
+        assert_eq!(sem.waiters(), 1);
+        assert_eq!(f.stats().sleeps, 1);
 
-            match f.run() {
-                Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
-                other => panic!("running a sleeping fiber gave {other:?}"),
-            }
-            assert_eq!(f.state(), FiberState::Sleeping, "the refused run changed nothing");
+        match f.run() {
+            Err(FiberError::Sleeping(id)) => assert_eq!(id, f.id()),
+            other => panic!("running a sleeping fiber gave {other:?}"),
+        }
+        assert_eq!(f.state(), FiberState::Sleeping, "the refused run changed nothing");
 
-            sem.release(1);
-            assert_eq!(f.state(), FiberState::Queued);
-            assert_eq!(queue.len(), 1, "the wake pushed the fiber back on its queue");
-            assert_eq!(queue.stats().wakes, 1);
-            assert_eq!(sem.waiters(), 0);
-            assert_eq!(
-                sem.available(),
-                0,
-                "the token went to the waiter, not to the pool"
-            );
+        sem.release(1);
+        assert_eq!(f.state(), FiberState::Queued);
+        assert_eq!(queue.len(), 1, "the wake pushed the fiber back on its queue");
+        assert_eq!(queue.stats().wakes, 1);
+        assert_eq!(sem.waiters(), 0);
+        assert_eq!(sem.available(), 0, "the token went to the waiter, not to the pool");
 
-            stage.set("second run: the woken fiber should return");
-            let ran = queue.run_next().unwrap();
-            assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("acquired"))));
-            assert!(Fiber::ptr_eq(&ran.fiber, &f));
-            assert!(queue.is_empty());
-            assert!(!sem.try_acquire(), "no token is left over");
-        },
-    );
+        stage.set("second run: the woken fiber should return");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("acquired"))));
+        assert!(Fiber::ptr_eq(&ran.fiber, &f));
+        assert!(queue.is_empty());
+        assert!(!sem.try_acquire(), "no token is left over");
+    });
 }
 
 /// Available tokens are taken without sleeping.
@@ -129,11 +121,7 @@ fn release_wakes_waiters_in_fifo_order() {
         assert_eq!(sem.waiters(), 1);
         assert_eq!(sem.available(), 0);
         assert_eq!(queue.len(), 2);
-        assert_eq!(
-            fibers[2].state(),
-            FiberState::Sleeping,
-            "c waits for the next release"
-        );
+        assert_eq!(fibers[2].state(), FiberState::Sleeping, "c waits for the next release");
         stage.set("running the two woken fibers");
         let order: Vec<char> = std::iter::from_fn(|| queue.run_next())
             .map(|ran| ran.outcome.unwrap().unwrap_returned())
@@ -187,42 +175,38 @@ fn single_releases_wake_many_sleepers_in_order() {
 /// did not wait keeps its priority.
 #[test]
 fn acquire_with_priority_sets_the_woken_fibers_priority() {
-    watchdog(
-        "acquire_with_priority_sets_the_woken_fibers_priority",
-        30,
-        |stage| {
-            let sem = Arc::new(Semaphore::new(0));
-            let queue = RunQueue::<&'static str>::new(4);
-            let s = sem.clone();
-            let urgent = fiber(Priority::LOWEST, move || {
-                s.acquire_with_priority(Priority::HIGHEST);
-                "urgent"
-            });
-            queue.try_push(urgent.clone()).unwrap();
-            stage.set("putting the urgent fiber to sleep");
-            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-            assert_eq!(urgent.priority(), Priority::LOWEST, "unchanged while asleep");
+    watchdog("acquire_with_priority_sets_the_woken_fibers_priority", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let queue = RunQueue::<&'static str>::new(4);
+        let s = sem.clone();
+        let urgent = fiber(Priority::LOWEST, move || {
+            s.acquire_with_priority(Priority::HIGHEST);
+            "urgent"
+        });
+        queue.try_push(urgent.clone()).unwrap();
+        stage.set("putting the urgent fiber to sleep");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        assert_eq!(urgent.priority(), Priority::LOWEST, "unchanged while asleep");
 
-            let normal = fiber(Priority::NORMAL, || "normal");
-            queue.try_push(normal).unwrap();
-            sem.release(1);
-            assert_eq!(urgent.priority(), Priority::HIGHEST);
-            let order: Vec<&str> = std::iter::from_fn(|| queue.run_next())
-                .map(|ran| ran.outcome.unwrap().unwrap_returned())
-                .collect();
-            assert_eq!(order, ["urgent", "normal"]);
+        let normal = fiber(Priority::NORMAL, || "normal");
+        queue.try_push(normal).unwrap();
+        sem.release(1);
+        assert_eq!(urgent.priority(), Priority::HIGHEST);
+        let order: Vec<&str> = std::iter::from_fn(|| queue.run_next())
+            .map(|ran| ran.outcome.unwrap().unwrap_returned())
+            .collect();
+        assert_eq!(order, ["urgent", "normal"]);
 
-            // With a token available there is no wait and no priority change.
-            sem.release(1);
-            let s = sem.clone();
-            let calm = fiber(Priority(5), move || {
-                s.acquire_with_priority(Priority::HIGHEST);
-                "calm"
-            });
-            assert_eq!(calm.run().unwrap().unwrap_returned(), "calm");
-            assert_eq!(calm.priority(), Priority(5));
-        },
-    );
+        // With a token available there is no wait and no priority change.
+        sem.release(1);
+        let s = sem.clone();
+        let calm = fiber(Priority(5), move || {
+            s.acquire_with_priority(Priority::HIGHEST);
+            "calm"
+        });
+        assert_eq!(calm.run().unwrap().unwrap_returned(), "calm");
+        assert_eq!(calm.priority(), Priority(5));
+    });
 }
 
 /// Wakes are never refused for capacity: a woken fiber goes back even to a
@@ -241,10 +225,7 @@ fn a_wake_is_not_refused_by_a_full_queue() {
             .unwrap();
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
         queue.try_push(fiber(Priority::NORMAL, || 2)).unwrap();
-        assert!(
-            queue.try_push(fiber(Priority::NORMAL, || 3)).is_err(),
-            "full for try_push"
-        );
+        assert!(queue.try_push(fiber(Priority::NORMAL, || 3)).is_err(), "full for try_push");
         sem.release(1);
         assert_eq!(queue.len(), 2, "the woken fiber is back despite the capacity");
         let order: Vec<u8> = std::iter::from_fn(|| queue.run_next())
@@ -276,10 +257,7 @@ fn a_fiber_can_sleep_many_times() {
             assert!(queue.is_empty());
             sem.release(1);
         }
-        assert_eq!(
-            queue.run_next().unwrap().outcome.unwrap().unwrap_returned(),
-            ROUNDS
-        );
+        assert_eq!(queue.run_next().unwrap().outcome.unwrap().unwrap_returned(), ROUNDS);
         assert_eq!(f.stats().sleeps, ROUNDS as u64);
         assert_eq!(queue.stats().wakes, ROUNDS as u64);
     });

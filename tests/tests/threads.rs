@@ -62,11 +62,7 @@ fn a_thread_releases_a_semaphore_that_wakes_fibers() {
             returned.push(queue.run_popped(f).outcome.unwrap().unwrap_returned());
         }
         releaser.join().unwrap();
-        assert_eq!(
-            returned,
-            (0..N).collect::<Vec<_>>(),
-            "woken in the order they slept"
-        );
+        assert_eq!(returned, (0..N).collect::<Vec<_>>(), "woken in the order they slept");
         assert_eq!((sem.waiters(), sem.available()), (0, 0));
         assert_eq!(queue.stats().wakes, N as u64);
     });
@@ -144,9 +140,7 @@ fn a_wake_racing_the_sleep_is_never_lost() {
         });
         stage.set("running the fiber while another thread wakes it as early as it can");
         let returned = loop {
-            let f = queue
-                .pop_timeout(Duration::from_secs(600))
-                .expect("the fiber is woken");
+            let f = queue.pop_timeout(Duration::from_secs(600)).expect("the fiber is woken");
             match queue.run_popped(f).outcome {
                 Ok(RunOutcome::Slept) => {}
                 Ok(RunOutcome::Returned(n)) => break n,
@@ -195,55 +189,48 @@ fn several_waiting_threads_are_woken_by_one_release() {
 #[test]
 fn mixed_fiber_and_thread_waiters_are_woken_in_fifo_order() {
     const PATTERN: &str = "TFFTFTTFFT";
-    watchdog(
-        "mixed_fiber_and_thread_waiters_are_woken_in_fifo_order",
-        30,
-        |stage| {
-            let sem = Arc::new(Semaphore::new(0));
-            let log = Arc::new(Mutex::new(Vec::new()));
-            let queue = RunQueue::<()>::new(PATTERN.len());
-            let mut threads = Vec::new();
-            for (k, kind) in PATTERN.chars().enumerate() {
-                let (s, l) = (sem.clone(), log.clone());
-                if kind == 'T' {
-                    threads.push(thread::spawn(move || {
+    watchdog("mixed_fiber_and_thread_waiters_are_woken_in_fifo_order", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let queue = RunQueue::<()>::new(PATTERN.len());
+        let mut threads = Vec::new();
+        for (k, kind) in PATTERN.chars().enumerate() {
+            let (s, l) = (sem.clone(), log.clone());
+            if kind == 'T' {
+                threads.push(thread::spawn(move || {
+                    s.acquire();
+                    l.lock().unwrap().push(k);
+                }));
+            } else {
+                queue
+                    .try_push(fiber(Priority::NORMAL, move || {
                         s.acquire();
                         l.lock().unwrap().push(k);
-                    }));
-                } else {
-                    queue
-                        .try_push(fiber(Priority::NORMAL, move || {
-                            s.acquire();
-                            l.lock().unwrap().push(k);
-                        }))
-                        .unwrap();
-                    assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-                }
-                stage.set(format!("waiting for waiter {k} ({kind}) to join the wait list"));
-                spin_until(|| sem.waiters() == k + 1);
+                    }))
+                    .unwrap();
+                assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
             }
-            for (k, kind) in PATTERN.chars().enumerate() {
-                stage.set(format!("release {k}: expecting waiter {k} ({kind}) to be woken"));
-                sem.release(1);
-                if kind == 'F' {
-                    assert_eq!(queue.len(), 1, "release {k} should have woken a fiber");
-                    queue.run_next().unwrap().outcome.unwrap().unwrap_returned();
-                } else {
-                    spin_until(|| log.lock().unwrap().len() == k + 1);
-                    assert!(
-                        queue.is_empty(),
-                        "release {k} should have woken a thread, not a fiber"
-                    );
-                }
-                assert_eq!(log.lock().unwrap().len(), k + 1);
+            stage.set(format!("waiting for waiter {k} ({kind}) to join the wait list"));
+            spin_until(|| sem.waiters() == k + 1);
+        }
+        for (k, kind) in PATTERN.chars().enumerate() {
+            stage.set(format!("release {k}: expecting waiter {k} ({kind}) to be woken"));
+            sem.release(1);
+            if kind == 'F' {
+                assert_eq!(queue.len(), 1, "release {k} should have woken a fiber");
+                queue.run_next().unwrap().outcome.unwrap().unwrap_returned();
+            } else {
+                spin_until(|| log.lock().unwrap().len() == k + 1);
+                assert!(queue.is_empty(), "release {k} should have woken a thread, not a fiber");
             }
-            for t in threads {
-                t.join().unwrap();
-            }
-            assert_eq!(*log.lock().unwrap(), (0..PATTERN.len()).collect::<Vec<_>>());
-            assert_eq!((sem.waiters(), sem.available()), (0, 0));
-        },
-    );
+            assert_eq!(log.lock().unwrap().len(), k + 1);
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*log.lock().unwrap(), (0..PATTERN.len()).collect::<Vec<_>>());
+        assert_eq!((sem.waiters(), sem.available()), (0, 0));
+    });
 }
 
 /// Many fibers (on two worker threads) and many threads acquire from one
@@ -261,13 +248,7 @@ fn mixed_fiber_and_thread_waiters_under_load_lose_no_wakeup() {
     watchdog_with_status(
         "mixed_fiber_and_thread_waiters_under_load_lose_no_wakeup",
         120,
-        move || {
-            format!(
-                "{} of {} acquisitions done",
-                a.load(Ordering::Relaxed),
-                (THREADS + FIBERS) * ROUNDS
-            )
-        },
+        move || format!("{} of {} acquisitions done", a.load(Ordering::Relaxed), (THREADS + FIBERS) * ROUNDS),
         move |stage| {
             let sem = Arc::new(Semaphore::new(0));
             let queue = RunQueue::<()>::new(FIBERS);
@@ -321,11 +302,7 @@ fn mixed_fiber_and_thread_waiters_under_load_lose_no_wakeup() {
             }
             pool.join(&stage);
             assert_eq!(acquired.load(Ordering::Relaxed), total);
-            assert_eq!(
-                (sem.waiters(), sem.available()),
-                (0, 0),
-                "every token taken, nobody waiting"
-            );
+            assert_eq!((sem.waiters(), sem.available()), (0, 0), "every token taken, nobody waiting");
             assert!(queue.is_empty());
         },
     );
@@ -435,12 +412,7 @@ impl WorkerPool {
             })
             .collect();
         stage.set(format!("{k} workers running {fibers} fibers"));
-        WorkerPool {
-            done,
-            workers,
-            finished,
-            failures,
-        }
+        WorkerPool { done, workers, finished, failures }
     }
 
     /// Waits for the workers to stop and fails on any fiber failure.
@@ -644,42 +616,19 @@ fn stress(name: &'static str, cfg: Stress) {
                 assert_eq!(f.state(), FiberState::Finished, "{f:?}");
             }
             let n = cfg.messages as u64;
-            assert_eq!(
-                tally.bad_ids.load(Ordering::Relaxed),
-                0,
-                "messages with ids never sent"
-            );
-            assert_eq!(
-                tally.duplicates.load(Ordering::Relaxed),
-                0,
-                "messages received twice"
-            );
-            assert_eq!(
-                tally.out_of_order.load(Ordering::Relaxed),
-                0,
-                "per-producer order broken"
-            );
+            assert_eq!(tally.bad_ids.load(Ordering::Relaxed), 0, "messages with ids never sent");
+            assert_eq!(tally.duplicates.load(Ordering::Relaxed), 0, "messages received twice");
+            assert_eq!(tally.out_of_order.load(Ordering::Relaxed), 0, "per-producer order broken");
             assert_eq!(tally.received.load(Ordering::Relaxed), n);
             assert_eq!(tally.sum.load(Ordering::Relaxed), n * (n - 1) / 2);
             let missing = seen.iter().filter(|s| !s.load(Ordering::Relaxed)).count();
             assert_eq!(missing, 0, "messages never received");
             assert_eq!(data.len(), 0);
-            assert_eq!(
-                free.len(),
-                cfg.in_flight,
-                "every message handle came back, none duplicated"
-            );
+            assert_eq!(free.len(), cfg.in_flight, "every message handle came back, none duplicated");
             assert_eq!((data.receivers(), free.receivers()), (0, 0));
 
-            assert_eq!(
-                tally.bad_turns.load(Ordering::Relaxed),
-                0,
-                "ping-pong turns interleaved"
-            );
-            assert_eq!(
-                tally.half_rounds.load(Ordering::Relaxed),
-                2 * cfg.rounds * cfg.pairs as u64
-            );
+            assert_eq!(tally.bad_turns.load(Ordering::Relaxed), 0, "ping-pong turns interleaved");
+            assert_eq!(tally.half_rounds.load(Ordering::Relaxed), 2 * cfg.rounds * cfg.pairs as u64);
             for (ping, pong, turn) in &sems {
                 assert_eq!(turn.load(Ordering::Relaxed), 2 * cfg.rounds);
                 assert_eq!((ping.available(), pong.available()), (0, 0));

@@ -72,11 +72,7 @@ where
         },
         Err(RecvTimeoutError::Timeout) => {
             let extra = status();
-            let extra = if extra.is_empty() {
-                extra
-            } else {
-                format!(" [{extra}]")
-            };
+            let extra = if extra.is_empty() { extra } else { format!(" [{extra}]") };
             panic!(
                 "watchdog: {name} did not finish in {secs}s: {}{extra} (probably hung: a lost wakeup, \
                  a fiber that never returns, or a deadlock)",
@@ -162,9 +158,7 @@ where
     F: FnOnce() -> T + Send + 'static,
 {
     let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024)).expect("creating a fiber");
-    fiber
-        .set_function(priority, f)
-        .expect("setting the fiber's function");
+    fiber.set_function(priority, f).expect("setting the fiber's function");
     fiber
 }
 
@@ -176,8 +170,6 @@ where
     F: FnOnce() -> T + Send + 'static,
 {
     let fiber = Fiber::new(FiberAttr::new().name(name).stack_size(64 * 1024)).expect("creating a fiber");
-    fiber
-        .set_function(priority, f)
-        .expect("setting the fiber's function");
+    fiber.set_function(priority, f).expect("setting the fiber's function");
     fiber
 }

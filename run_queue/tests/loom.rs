@@ -1,0 +1,207 @@
+//! Loom models of the run queue's parking protocol (`src/queue.rs`, module
+//! docs), running the queue's own code.
+//!
+//! Run with:
+//!
+//! ```text
+//! LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test --release -p spindle-run-queue --test loom
+//! ```
+//!
+//! The queue normally locks with parking_lot, which loom cannot see; built
+//! with `--cfg loom`, its private `sync` module puts loom's `Mutex` and
+//! `Condvar` behind the same API, so `try_push`, `pop_timeout`, `requeue`
+//! and the wake seam (`Schedule::schedule`) below are the real code, and so
+//! is the fiber state machine they drive. Loom has no clock: a parked
+//! popper waits until notified (the timeout is not modelled), so a lost
+//! notification leaves it parked forever and loom reports a deadlock. The
+//! priority heap is ordinary memory under the queue's lock.
+//!
+//! The fibers really run (on their own stacks, with stack switches that loom
+//! does not see). Loom runs all its threads on one OS thread, so the
+//! thread-local "current fiber" is shared between them: the models keep one
+//! fiber running at a time, which `Fiber::run` brackets correctly.
+
+#![cfg(loom)]
+
+use std::time::Duration;
+
+use loom::sync::{Arc, Mutex};
+use loom::thread;
+use spindle_fiber::{sleep, yield_now, Fiber, FiberAttr, FiberState, Priority, RunOutcome, Waiter};
+use spindle_run_queue::RunQueue;
+
+/// When `LOOM_MAX_PREEMPTIONS` is not set (exhaustive exploration takes far
+/// longer than a CI run).
+const DEFAULT_PREEMPTIONS: usize = 3;
+
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(DEFAULT_PREEMPTIONS);
+    }
+    builder.check(f);
+}
+
+/// Long enough that nothing times out; under loom it is not modelled anyway.
+const FOREVER: Duration = Duration::from_secs(3600);
+
+/// A `Ready` fiber with a small stack that runs `f`.
+fn fiber(f: impl FnOnce() + Send + 'static) -> Fiber<()> {
+    let fiber = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+    // SAFETY: the models' functions hold no !Send value and no thread-local
+    // reference across their suspension points.
+    unsafe { fiber.set_function_migratable(Priority::NORMAL, f) }.unwrap();
+    fiber
+}
+
+/// A popper that may park before, during or after the push: it must get the
+/// fiber (popper step 2 against pusher steps 1-2).
+#[test]
+fn push_reaches_parked_popper() {
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let popper = {
+            let q = q.clone();
+            thread::spawn(move || q.pop_timeout(FOREVER).expect("a popper waiting forever gets the fiber"))
+        };
+        let f = fiber(|| {});
+        let id = f.id();
+        q.try_push(f).unwrap();
+        let got = popper.join().unwrap();
+        assert_eq!(got.id(), id);
+        assert_eq!(got.state(), FiberState::Ready);
+        assert!(q.is_empty());
+        let s = q.stats();
+        assert_eq!((s.pushes, s.pops), (1, 1));
+    });
+}
+
+/// Two poppers, two pushers: each popper gets exactly one fiber, none is
+/// lost or handed out twice, whatever order the parks and notifications
+/// take.
+#[test]
+fn two_pushers_two_poppers() {
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let poppers: Vec<_> = (0..2)
+            .map(|_| {
+                let q = q.clone();
+                thread::spawn(move || q.pop_timeout(FOREVER).expect("every popper gets a fiber").id())
+            })
+            .collect();
+        let (a, b) = (fiber(|| {}), fiber(|| {}));
+        let ids = [a.id(), b.id()];
+        let pusher = {
+            let q = q.clone();
+            thread::spawn(move || q.try_push(b).unwrap())
+        };
+        q.try_push(a).unwrap();
+        pusher.join().unwrap();
+        let mut got: Vec<_> = poppers.into_iter().map(|p| p.join().unwrap()).collect();
+        got.sort();
+        let mut want = ids.to_vec();
+        want.sort();
+        assert_eq!(got, want);
+        assert!(q.is_empty());
+    });
+}
+
+/// Two workers each pop once and run what they got; the fiber yields once.
+/// The first run's `requeue` must reach the other worker, which may be
+/// parked by then.
+#[test]
+fn requeue_after_yield_reaches_parked_worker() {
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        q.try_push(fiber(yield_now)).unwrap();
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                let q = q.clone();
+                thread::spawn(move || {
+                    let f = q.pop_timeout(FOREVER).expect("each worker gets one run");
+                    match q.run_popped(f).outcome.unwrap() {
+                        RunOutcome::Yielded(_) => false,
+                        RunOutcome::Returned(()) => true,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                })
+            })
+            .collect();
+        let returned: Vec<bool> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        assert_eq!(returned.iter().filter(|&&r| r).count(), 1, "one run yielded, one returned");
+        assert!(q.is_empty());
+        let s = q.stats();
+        assert_eq!((s.pushes, s.pops), (2, 2));
+    });
+}
+
+/// A fiber sleeps on a one-slot wait list (a semaphore with one token to
+/// give); a plain thread releases it. The wake goes through the fiber's
+/// home (`Schedule::schedule`) back onto the queue, where the worker that
+/// ran it is parked waiting for more work. The release may come before the
+/// fiber links itself (it then does not sleep), between the link and the
+/// stack switch (`RunningWoken`: the worker queues it) or after (`Sleeping`:
+/// the waker queues it).
+#[test]
+fn wake_through_home_reaches_parked_worker() {
+    #[derive(Default)]
+    struct Sem {
+        token: bool,
+        waiter: Option<Waiter>,
+    }
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let sem = Arc::new(Mutex::new(Sem::default()));
+        let f = {
+            let sem = sem.clone();
+            fiber(move || {
+                let mut s = sem.lock().unwrap();
+                if s.token {
+                    s.token = false;
+                    return;
+                }
+                s.waiter = Some(Waiter::current().unwrap());
+                drop(s);
+                sleep();
+                let s = sem.lock().unwrap();
+                assert!(s.waiter.is_none() && !s.token, "resumed without being woken");
+            })
+        };
+        q.try_push(f).unwrap();
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut runs = 0;
+                loop {
+                    let f = q.pop_timeout(FOREVER).expect("the woken fiber comes back");
+                    runs += 1;
+                    match q.run_popped(f).outcome.unwrap() {
+                        RunOutcome::Slept => continue,
+                        RunOutcome::Returned(()) => return runs,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+            })
+        };
+        let waker = thread::spawn(move || {
+            let mut s = sem.lock().unwrap();
+            match s.waiter.take() {
+                Some(w) => {
+                    drop(s);
+                    w.wake();
+                    true
+                }
+                None => {
+                    s.token = true;
+                    false
+                }
+            }
+        });
+        let woke = waker.join().unwrap();
+        let runs = worker.join().unwrap();
+        assert_eq!(runs, if woke { 2 } else { 1 }, "one run per wake, plus the first");
+        assert!(q.is_empty());
+        assert_eq!(q.stats().wakes, u64::from(woke));
+    });
+}
