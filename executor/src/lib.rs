@@ -27,6 +27,32 @@
 //!   stealing jobs before they start. See DESIGN.md.
 //!
 //! Set `SPINDLE_STATS=1` to print counters at shutdown.
+//!
+//! # Threads
+//!
+//! `Executor` and `Handle` are `Send + Sync`; a `JoinHandle<T>` is `Send`
+//! for `T: Send` (join it from any thread or fiber) but not `Sync`:
+//!
+//! ```
+//! fn assert_send_sync<T: Send + Sync>() {}
+//! fn assert_send<T: Send>() {}
+//! assert_send_sync::<spindle_executor::Executor>();
+//! assert_send_sync::<spindle_executor::Handle>();
+//! assert_send::<spindle_executor::JoinHandle<String>>();
+//! ```
+//!
+//! ```compile_fail
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<spindle_executor::JoinHandle<String>>();
+//! ```
+//!
+//! Spawned closures and their values must be `Send`:
+//!
+//! ```compile_fail
+//! let exec = spindle_executor::Executor::builder().workers(1).build();
+//! let rc = std::rc::Rc::new(1);
+//! exec.spawn(move || *rc);
+//! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

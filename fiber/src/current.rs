@@ -199,6 +199,20 @@ pub fn yield_now() {
 ///
 /// The wake may happen before the fiber has finished switching out; the
 /// state machine resolves that race (DESIGN.md, "sleep/wake protocol").
+///
+/// A `Waiter` is `Send` and `Sync`: wakers run on any thread.
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::Waiter>();
+/// ```
+///
+/// `CurrentFiber` is a plain snapshot, also `Send` and `Sync`:
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::CurrentFiber>();
+/// ```
 pub struct Waiter {
     header: NonNull<Header>,
 }

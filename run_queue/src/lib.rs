@@ -31,6 +31,18 @@
 //! [`Fiber::set_priority`](spindle_fiber::Fiber::set_priority) takes effect
 //! at its next push.
 
+//! A `RunQueue<T>` is `Send + Sync` for `T: Send`: worker threads share it.
+//!
+//! ```
+//! fn assert_send_sync<T: Send + Sync>() {}
+//! assert_send_sync::<spindle_run_queue::RunQueue<String>>();
+//! ```
+//!
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<spindle_run_queue::RunQueue<std::rc::Rc<u8>>>();
+//! ```
+
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -35,6 +35,33 @@
 //! See DESIGN.md ("sleep/wake protocol") for the numbered steps of both
 //! sides and why no wakeup is lost.
 
+//! # Threads
+//!
+//! Every primitive is `Send + Sync` (for channels: when the message type is
+//! `Send`), so it can be shared by fibers and threads:
+//!
+//! ```
+//! fn assert_send_sync<T: Send + Sync>() {}
+//! assert_send_sync::<spindle_sync::Semaphore>();
+//! assert_send_sync::<spindle_sync::RawChannel>();
+//! assert_send_sync::<spindle_sync::Channel<String>>();
+//! fn assert_send<T: Send>() {}
+//! assert_send::<spindle_sync::Msg<String>>();
+//! ```
+//!
+//! A channel of `!Send` values cannot be shared, since its messages would
+//! move between threads:
+//!
+//! ```compile_fail
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<spindle_sync::Channel<std::rc::Rc<u8>>>();
+//! ```
+//!
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<spindle_sync::Msg<std::rc::Rc<u8>>>();
+//! ```
+
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
