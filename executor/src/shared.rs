@@ -196,8 +196,12 @@ impl Schedule<()> for Inbox {
     /// The seam: a woken fiber goes back to the inbox of its worker.
     fn schedule(&self, fiber: Task) {
         let class = class_of(fiber.priority());
-        self.queues.lock().q[class].push_back(fiber);
+        let mut queues = self.queues.lock();
+        queues.q[class].push_back(fiber);
+        // Counted under the lock, so a drain never subtracts a fiber that is
+        // not counted yet.
         self.len.fetch_add(1, Ordering::SeqCst);
+        drop(queues);
         self.handoffs.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         self.notify();
@@ -305,14 +309,13 @@ impl Shared {
     /// Is there any work a worker (`me`) could take?
     pub(crate) fn work_visible(&self, me: usize) -> bool {
         let w = &self.workers[me];
-        if w.inbox.len.load(Ordering::SeqCst) > 0 {
+        if w.inbox.len.load(Ordering::SeqCst) > 0 || w.has_fresh() {
             return true;
         }
         if !w.active.load(Ordering::Relaxed) {
             return false;
         }
-        w.has_fresh()
-            || self.global.iter().any(|q| !q.is_empty())
+        self.global.iter().any(|q| !q.is_empty())
             || self.workers.iter().any(|o| o.index != me && o.has_fresh())
     }
 

@@ -318,6 +318,9 @@ impl Worker {
         let me = self.me();
         // Parking protocol, worker steps 1-4 (shared.rs).
         me.inbox.parked.store(true, Ordering::SeqCst);
+        // Orders the store before every load of the re-check, whatever
+        // their own orderings (the notifier has the matching fence).
+        std::sync::atomic::fence(Ordering::SeqCst);
         if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
             me.inbox.parked.store(false, Ordering::SeqCst);
             return;

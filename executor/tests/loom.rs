@@ -1,0 +1,670 @@
+//! Loom models of the executor's parking protocol (`src/shared.rs`, module
+//! docs; DESIGN.md, "The executor", "Parking protocol").
+//!
+//! Run with:
+//!
+//! ```text
+//! LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test --release -p spindle-executor --test loom
+//! ```
+//!
+//! The executor's queues are crossbeam-deque's and its parkers crossbeam's,
+//! which loom cannot see, so the protocol is mirrored here line for line
+//! rather than run: each function below names the function of `src/` it
+//! mirrors, and a change there must be made here too. Mirrored:
+//!
+//! * worker side (`worker.rs`): `main_loop`, `next`, `drain_inbox`, `idle`
+//!   (base workers: the extra workers' timed park and retirement are not
+//!   modelled), `WorkerCtx::push_local`;
+//! * notifier side (`shared.rs`): `Inbox::notify`, `Inbox::schedule`,
+//!   `Shared::push_fresh`, `wake_one_parked`, `work_visible`,
+//!   `pending_work`, `steal`, `wake_all`; and step 3 of `Executor::drop`
+//!   (`exit`, then `wake_all`), which ends every model.
+//!
+//! Modelled:
+//!
+//! * one priority class (the code checks the classes in turn, with the same
+//!   steps for each); every worker active (no scaling);
+//! * crossbeam's `Injector` and `Worker`/`Stealer` are reduced to their
+//!   indices, with the orderings crossbeam-deque 0.8 uses on them in `push`,
+//!   `pop`, `steal` and `is_empty` (the protocol's argument rests on those);
+//!   `steal_batch_and_pop` takes one job, as it does with at most two
+//!   queued. A job's payload is kept beside the indices in a std mutex that
+//!   loom does not see; crossbeam's own slot hand-off is not re-checked;
+//! * the inbox is a `VecDeque` under a loom mutex plus the real `len`;
+//! * a worker's `Parker` is loom's thread park: an unpark that comes before
+//!   the park leaves a token, as crossbeam's does;
+//! * loom treats SeqCst loads and stores as Acquire/Release (loom's README,
+//!   "Unsupported features"), so the worker's step 1 in the code is a SeqCst
+//!   store followed by a SeqCst fence (`Worker::idle`), which loom models
+//!   exactly ([`store_seq_cst`]), pairing with the notifier's fence.
+//!
+//! Every model ends with all its jobs run and every worker gone: a lost
+//! wakeup leaves a worker parked with work queued that nobody else can take
+//! (loom reports a deadlock).
+
+#![cfg(loom)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};
+use std::sync::{Arc, Mutex as StdMutex, OnceLock};
+
+use loom::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+use loom::sync::{Condvar, Mutex};
+use loom::thread::{self, JoinHandle, Thread};
+
+/// When `LOOM_MAX_PREEMPTIONS` is not set.
+const DEFAULT_PREEMPTIONS: usize = 3;
+
+/// `worker.rs`: `SEARCH_ROUNDS` is 64. One round here: each round is one
+/// more `next()`, and the rounds' count plays no part in the protocol.
+const SEARCH_ROUNDS: u32 = 1;
+
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(DEFAULT_PREEMPTIONS);
+    }
+    builder.check(f);
+}
+
+/// Worker step 1 as in `Worker::idle`: `parked.store(true, SeqCst)` and a
+/// SeqCst fence (see the module docs).
+fn store_seq_cst(flag: &AtomicBool, value: bool) {
+    flag.store(value, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+}
+
+/// What a job does when it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    /// Returns at once.
+    Plain,
+    /// Spawns a `Plain` child from the fiber (`push_local`), then stays busy
+    /// (does not return to its worker's loop) until every other job, the
+    /// child included, has run.
+    SpawnChildThenWait,
+    /// Stays busy until every other job has run.
+    WaitForOthers,
+}
+
+/// `crossbeam_deque::Injector<Job>`, reduced to its indices.
+struct Injector {
+    head: AtomicUsize,
+    tail: AtomicUsize,
+    jobs: StdMutex<Vec<Body>>,
+}
+
+impl Injector {
+    fn new() -> Injector {
+        Injector { head: AtomicUsize::new(0), tail: AtomicUsize::new(0), jobs: StdMutex::new(Vec::new()) }
+    }
+
+    /// `Injector::push`: the tail index moves with a SeqCst CAS.
+    fn push(&self, job: Body) {
+        self.jobs.lock().unwrap().push(job);
+        self.tail.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// `Injector::is_empty`: SeqCst loads of both indices.
+    fn is_empty(&self) -> bool {
+        let head = self.head.load(Ordering::SeqCst);
+        let tail = self.tail.load(Ordering::SeqCst);
+        head == tail
+    }
+
+    /// `Injector::steal` / `steal_batch_and_pop` under `retry`: head
+    /// (Acquire), a SeqCst fence, tail (Relaxed), a SeqCst CAS of the head.
+    fn steal(&self) -> Option<Body> {
+        loop {
+            let head = self.head.load(Ordering::Acquire);
+            fence(Ordering::SeqCst);
+            let tail = self.tail.load(Ordering::Relaxed);
+            if head == tail {
+                return None;
+            }
+            if self.head.compare_exchange(head, head + 1, Ordering::SeqCst, Ordering::Acquire).is_ok() {
+                return Some(self.jobs.lock().unwrap()[head]);
+            }
+        }
+    }
+}
+
+/// `crossbeam_deque::Worker<Job>` (FIFO) and its `Stealer`, reduced to
+/// their indices: the owner pushes and pops, the others steal.
+struct Deque {
+    front: AtomicUsize,
+    back: AtomicUsize,
+    jobs: StdMutex<Vec<Body>>,
+}
+
+impl Deque {
+    fn new() -> Deque {
+        Deque { front: AtomicUsize::new(0), back: AtomicUsize::new(0), jobs: StdMutex::new(Vec::new()) }
+    }
+
+    /// `Worker::push` (owner): a Release fence, then a Relaxed store of the
+    /// back index.
+    fn push(&self, job: Body) {
+        let b = self.back.load(Ordering::Relaxed);
+        self.jobs.lock().unwrap().push(job);
+        fence(Ordering::Release);
+        self.back.store(b + 1, Ordering::Relaxed);
+    }
+
+    /// `Worker::pop`, FIFO flavour (owner).
+    fn pop(&self) -> Option<Body> {
+        let b = self.back.load(Ordering::Relaxed);
+        let f = self.front.load(Ordering::Relaxed);
+        if b.wrapping_sub(f) as isize <= 0 {
+            return None;
+        }
+        let f = self.front.fetch_add(1, Ordering::SeqCst);
+        if (b.wrapping_sub(f + 1) as isize) < 0 {
+            self.front.store(f, Ordering::Relaxed);
+            return None;
+        }
+        Some(self.jobs.lock().unwrap()[f])
+    }
+
+    /// `Stealer::is_empty`: front (Acquire), a SeqCst fence, back (Acquire).
+    fn is_empty(&self) -> bool {
+        let f = self.front.load(Ordering::Acquire);
+        fence(Ordering::SeqCst);
+        let b = self.back.load(Ordering::Acquire);
+        b.wrapping_sub(f) as isize <= 0
+    }
+
+    /// `Stealer::steal` / `steal_batch_and_pop` under `retry`: front
+    /// (Acquire), a SeqCst fence (`epoch::pin`), back (Acquire), a SeqCst
+    /// CAS of the front.
+    fn steal(&self) -> Option<Body> {
+        loop {
+            let f = self.front.load(Ordering::Acquire);
+            fence(Ordering::SeqCst);
+            let b = self.back.load(Ordering::Acquire);
+            if b.wrapping_sub(f) as isize <= 0 {
+                return None;
+            }
+            if self.front.compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::Relaxed).is_ok() {
+                return Some(self.jobs.lock().unwrap()[f]);
+            }
+        }
+    }
+}
+
+/// `shared.rs`: `Inbox`.
+struct Inbox {
+    /// `queues` (one class): started fibers woken by other threads.
+    queues: Mutex<VecDeque<Body>>,
+    len: AtomicUsize,
+    parked: AtomicBool,
+}
+
+/// `shared.rs`: `WorkerShared` (what the protocol touches).
+struct WorkerShared {
+    fresh: Injector,
+    /// The worker's local deque (`WorkerCtx::locals`) and its stealer
+    /// (`WorkerShared::stealers`).
+    local: Deque,
+    inbox: Inbox,
+}
+
+impl WorkerShared {
+    /// `WorkerShared::has_fresh`.
+    fn has_fresh(&self) -> bool {
+        !self.fresh.is_empty() || !self.local.is_empty()
+    }
+}
+
+/// Which paths of the protocol some execution of a model took (bookkeeping
+/// outside loom: loom runs one thread at a time).
+#[derive(Default)]
+struct Coverage {
+    /// A worker was unparked by a notifier (before shutdown).
+    woken_by_notifier: StdAtomicBool,
+    /// A worker's re-check (worker step 2) found work.
+    recheck_found_work: StdAtomicBool,
+    /// A notifier found its target awake and woke another parked worker.
+    woke_another: StdAtomicBool,
+}
+
+impl Coverage {
+    const fn new() -> Coverage {
+        Coverage {
+            woken_by_notifier: StdAtomicBool::new(false),
+            recheck_found_work: StdAtomicBool::new(false),
+            woke_another: StdAtomicBool::new(false),
+        }
+    }
+
+    fn note(flag: &StdAtomicBool) {
+        flag.store(true, StdOrdering::Relaxed);
+    }
+
+    fn assert(flag: &StdAtomicBool, what: &str) {
+        assert!(flag.load(StdOrdering::Relaxed), "no execution reached: {what}");
+    }
+}
+
+/// `shared.rs`: `Shared` (what the protocol touches), plus the model's
+/// bookkeeping.
+struct World {
+    workers: Vec<WorkerShared>,
+    global: Injector,
+    searching: AtomicUsize,
+    next_spawn: AtomicUsize,
+    exit: AtomicBool,
+    /// `Inbox::unparker`, one per worker: set before any worker runs.
+    unparkers: OnceLock<Vec<Thread>>,
+    /// Jobs and fibers run so far; the last one shuts the executor down.
+    done: Mutex<usize>,
+    done_cv: Condvar,
+    total: usize,
+    /// Set just before shutdown wakes everyone (bookkeeping).
+    shutting_down: StdAtomicBool,
+    coverage: &'static Coverage,
+}
+
+impl World {
+    fn new(workers: usize, total: usize, coverage: &'static Coverage) -> World {
+        World {
+            workers: (0..workers)
+                .map(|_| WorkerShared {
+                    fresh: Injector::new(),
+                    local: Deque::new(),
+                    inbox: Inbox {
+                        queues: Mutex::new(VecDeque::new()),
+                        len: AtomicUsize::new(0),
+                        parked: AtomicBool::new(false),
+                    },
+                })
+                .collect(),
+            global: Injector::new(),
+            searching: AtomicUsize::new(0),
+            next_spawn: AtomicUsize::new(0),
+            exit: AtomicBool::new(false),
+            unparkers: OnceLock::new(),
+            done: Mutex::new(0),
+            done_cv: Condvar::new(),
+            total,
+            shutting_down: StdAtomicBool::new(false),
+            coverage,
+        }
+    }
+
+    /// Every worker is active in the models (`Shared::active`).
+    fn active(&self) -> usize {
+        self.workers.len()
+    }
+
+    fn unpark(&self, i: usize) {
+        self.unparkers.get().expect("unparkers set before the workers run")[i].unpark();
+    }
+
+    /// `Inbox::notify` (notifier step 3).
+    fn notify(&self, i: usize) -> bool {
+        let inbox = &self.workers[i].inbox;
+        if inbox.parked.load(Ordering::SeqCst) && inbox.parked.swap(false, Ordering::SeqCst) {
+            self.unpark(i);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// `Inbox::schedule`: the wake seam of a fiber pinned to worker `i`.
+    fn schedule(&self, i: usize, fiber: Body) {
+        let inbox = &self.workers[i].inbox;
+        let mut queues = inbox.queues.lock().unwrap();
+        queues.push_back(fiber);
+        inbox.len.fetch_add(1, Ordering::SeqCst);
+        drop(queues);
+        // `handoffs`: statistics.
+        fence(Ordering::SeqCst);
+        self.notify(i);
+    }
+
+    /// `Shared::push_fresh`: a spawn from outside the pool.
+    fn push_fresh(&self, job: Body) {
+        let active = self.active().max(1);
+        let i = self.next_spawn.fetch_add(1, Ordering::Relaxed) % active;
+        let w = &self.workers[i];
+        w.fresh.push(job);
+        fence(Ordering::SeqCst);
+        if !self.notify(i) && self.searching.load(Ordering::SeqCst) == 0 {
+            let woke = self.wake_one_parked();
+            if woke {
+                Coverage::note(&self.coverage.woke_another);
+            }
+        }
+    }
+
+    /// `WorkerCtx::push_local`: a spawn from a fiber running on worker `me`.
+    fn push_local(&self, me: usize, job: Body) {
+        self.workers[me].local.push(job);
+        fence(Ordering::SeqCst);
+        if self.searching.load(Ordering::SeqCst) == 0 {
+            let woke = self.wake_one_parked();
+            if woke {
+                Coverage::note(&self.coverage.woke_another);
+            }
+        }
+    }
+
+    /// `Shared::wake_one_parked`.
+    fn wake_one_parked(&self) -> bool {
+        let n = self.active();
+        (0..n.min(self.workers.len())).any(|i| self.notify(i))
+    }
+
+    /// `Shared::work_visible` (worker step 2).
+    fn work_visible(&self, me: usize) -> bool {
+        let w = &self.workers[me];
+        if w.inbox.len.load(Ordering::SeqCst) > 0 || w.has_fresh() {
+            return true;
+        }
+        // `w.active`: always true here.
+        !self.global.is_empty() || self.workers.iter().enumerate().any(|(i, o)| i != me && o.has_fresh())
+    }
+
+    /// `Shared::pending_work`.
+    fn pending_work(&self) -> bool {
+        !self.global.is_empty()
+            || self.workers.iter().any(|w| w.has_fresh() || w.inbox.len.load(Ordering::Relaxed) > 0)
+    }
+
+    /// `Shared::steal`: one fresh job from another worker.
+    fn steal(&self, me: usize, start: usize) -> Option<Body> {
+        let n = self.workers.len();
+        for k in 0..n {
+            let v = (start + k) % n;
+            if v == me {
+                continue;
+            }
+            let victim = &self.workers[v];
+            let got = (!victim.local.is_empty())
+                .then(|| victim.local.steal())
+                .flatten()
+                .or_else(|| (!victim.fresh.is_empty()).then(|| victim.fresh.steal()).flatten());
+            if got.is_some() {
+                return got;
+            }
+        }
+        None
+    }
+
+    /// `Shared::wake_all`.
+    fn wake_all(&self) {
+        for (i, w) in self.workers.iter().enumerate() {
+            w.inbox.parked.store(false, Ordering::SeqCst);
+            self.unpark(i);
+        }
+    }
+
+    /// A job or fiber returned: the last one stands for the joiner that then
+    /// drops the executor (`Executor::drop`, step 3).
+    fn complete(&self) {
+        let mut done = self.done.lock().unwrap();
+        *done += 1;
+        let all = *done == self.total;
+        drop(done);
+        self.done_cv.notify_all();
+        if all {
+            self.shutting_down.store(true, StdOrdering::Relaxed);
+            self.exit.store(true, Ordering::SeqCst);
+            self.wake_all();
+        }
+    }
+
+    /// A fiber staying busy on its worker until `n` jobs have completed.
+    fn wait_until_done(&self, n: usize) {
+        let mut done = self.done.lock().unwrap();
+        while *done < n {
+            done = self.done_cv.wait(done).unwrap();
+        }
+    }
+}
+
+/// `worker.rs`: `Next`.
+enum Next {
+    Resumed(Body),
+    Fresh(Body),
+}
+
+/// `worker.rs`: `Worker` (the thread-owned half).
+struct Worker {
+    shared: Arc<World>,
+    index: usize,
+    resumed: VecDeque<Body>,
+    tick: u64,
+    rng: u64,
+}
+
+impl Worker {
+    /// `worker.rs`: `run` (the leftovers' `drain` has nothing to do here:
+    /// every model ends with all its work run).
+    fn run(shared: Arc<World>, index: usize) {
+        let mut w = Worker {
+            shared,
+            index,
+            resumed: VecDeque::new(),
+            tick: 0,
+            rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
+        };
+        w.main_loop();
+    }
+
+    /// `Worker::main_loop`.
+    fn main_loop(&mut self) {
+        loop {
+            if self.shared.exit.load(Ordering::Acquire) {
+                return;
+            }
+            // Heartbeat: read by sysmon only.
+            match self.next() {
+                Some(n) => self.run_one(n),
+                None => self.idle(),
+            }
+        }
+    }
+
+    /// `Worker::next`, for one class.
+    fn next(&mut self) -> Option<Next> {
+        self.tick += 1;
+        self.drain_inbox();
+        // `me.active`: always true here.
+        let fresh_first = self.tick % 2 == 0;
+        if !fresh_first {
+            if let Some(t) = self.resumed.pop_front() {
+                return Some(Next::Resumed(t));
+            }
+        }
+        let me = &self.shared.workers[self.index];
+        if let Some(j) = me.local.pop() {
+            return Some(Next::Fresh(j));
+        }
+        if !me.fresh.is_empty() {
+            if let Some(j) = me.fresh.steal() {
+                return Some(Next::Fresh(j));
+            }
+        }
+        if !self.shared.global.is_empty() {
+            if let Some(j) = self.shared.global.steal() {
+                return Some(Next::Fresh(j));
+            }
+        }
+        if let Some(t) = self.resumed.pop_front() {
+            return Some(Next::Resumed(t));
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.shared.steal(self.index, self.rng as usize).map(Next::Fresh)
+    }
+
+    /// `Worker::drain_inbox`.
+    fn drain_inbox(&mut self) {
+        let me = &self.shared.workers[self.index];
+        if me.inbox.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut inbox = me.inbox.queues.lock().unwrap();
+        let mut moved = 0;
+        while let Some(t) = inbox.pop_front() {
+            self.resumed.push_back(t);
+            moved += 1;
+        }
+        drop(inbox);
+        me.inbox.len.fetch_sub(moved, Ordering::AcqRel);
+    }
+
+    /// `Worker::run_one`: runs the job's body on this thread (a job starts
+    /// on a fiber; every fiber here returns).
+    fn run_one(&mut self, next: Next) {
+        let body = match next {
+            Next::Resumed(t) | Next::Fresh(t) => t,
+        };
+        let shared = &*self.shared;
+        match body {
+            Body::Plain => {}
+            Body::SpawnChildThenWait => {
+                shared.push_local(self.index, Body::Plain);
+                shared.wait_until_done(shared.total - 1);
+            }
+            Body::WaitForOthers => shared.wait_until_done(shared.total - 1),
+        }
+        shared.complete();
+    }
+
+    /// `Worker::idle` for a base worker: search, then the parking protocol's
+    /// worker steps 1-4.
+    fn idle(&mut self) {
+        let shared = Arc::clone(&self.shared);
+        shared.searching.fetch_add(1, Ordering::SeqCst);
+        for _ in 0..SEARCH_ROUNDS {
+            if let Some(n) = self.next() {
+                if shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work() {
+                    shared.wake_one_parked();
+                }
+                self.run_one(n);
+                return;
+            }
+        }
+        shared.searching.fetch_sub(1, Ordering::SeqCst);
+
+        let me = &shared.workers[self.index];
+        store_seq_cst(&me.inbox.parked, true);
+        if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.index) {
+            if !shared.shutting_down.load(StdOrdering::Relaxed) {
+                Coverage::note(&shared.coverage.recheck_found_work);
+            }
+            me.inbox.parked.store(false, Ordering::SeqCst);
+            return;
+        }
+        // `parks` counter, trace event: statistics.
+        thread::park();
+        if !shared.shutting_down.load(StdOrdering::Relaxed) {
+            Coverage::note(&shared.coverage.woken_by_notifier);
+        }
+        me.inbox.parked.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Starts `n` worker threads and hands out their unparkers before any of
+/// them runs (loom switches threads only at its own operations).
+fn start_workers(world: &Arc<World>) -> Vec<JoinHandle<()>> {
+    let handles: Vec<_> = (0..world.workers.len())
+        .map(|i| {
+            let w = Arc::clone(world);
+            thread::spawn(move || Worker::run(w, i))
+        })
+        .collect();
+    let unparkers = handles.iter().map(|h| h.thread().clone()).collect();
+    assert!(world.unparkers.set(unparkers).is_ok());
+    handles
+}
+
+/// Joins the workers and checks that everything ran and nothing is left.
+fn finish(world: &World, handles: Vec<JoinHandle<()>>) {
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(*world.done.lock().unwrap(), world.total);
+    assert!(world.global.is_empty());
+    for w in &world.workers {
+        assert!(w.fresh.is_empty() && w.local.is_empty());
+        assert_eq!(w.inbox.len.load(Ordering::SeqCst), 0);
+        assert!(w.inbox.queues.lock().unwrap().is_empty());
+        assert!(!w.inbox.parked.load(Ordering::SeqCst));
+    }
+    assert_eq!(world.searching.load(Ordering::SeqCst), 0);
+}
+
+/// Model 1: one worker going idle against a wake into its inbox from
+/// another thread (`Inbox::schedule`, the wake seam of a fiber pinned to
+/// it). The worker may see the fiber while searching, at its re-check, or
+/// only once unparked.
+#[test]
+fn inbox_wake_reaches_idle_worker() {
+    static COVERAGE: Coverage = Coverage::new();
+    model(|| {
+        let world = Arc::new(World::new(1, 1, &COVERAGE));
+        let handles = start_workers(&world);
+        world.schedule(0, Body::Plain);
+        finish(&world, handles);
+    });
+    Coverage::assert(&COVERAGE.woken_by_notifier, "a worker unparked by the inbox wake");
+    Coverage::assert(&COVERAGE.recheck_found_work, "the re-check seeing the inbox wake");
+}
+
+/// Model 2: two workers going idle against one spawn from outside the pool
+/// (`Shared::push_fresh`, to worker 0): someone must run the job.
+#[test]
+fn spawn_from_outside_reaches_idle_workers() {
+    static COVERAGE: Coverage = Coverage::new();
+    model(|| {
+        let world = Arc::new(World::new(2, 1, &COVERAGE));
+        let handles = start_workers(&world);
+        world.push_fresh(Body::Plain);
+        finish(&world, handles);
+    });
+    Coverage::assert(&COVERAGE.woken_by_notifier, "a worker unparked by the spawn");
+    Coverage::assert(&COVERAGE.recheck_found_work, "a re-check seeing the spawn");
+}
+
+/// Model 3: worker 0's queue holds a job that, once running, spawns a child
+/// from its fiber (`push_local`) and stays busy until the child has run;
+/// meanwhile the other worker goes idle and may park. The child is only on
+/// the busy worker's local deque: the idle worker must steal it, so it must
+/// not stay parked with the child visible.
+#[test]
+fn push_local_reaches_parking_worker() {
+    static COVERAGE: Coverage = Coverage::new();
+    model(|| {
+        let world = Arc::new(World::new(2, 2, &COVERAGE));
+        world.workers[0].fresh.push(Body::SpawnChildThenWait);
+        let handles = start_workers(&world);
+        finish(&world, handles);
+    });
+    Coverage::assert(&COVERAGE.woken_by_notifier, "a worker unparked by push_local");
+    Coverage::assert(&COVERAGE.recheck_found_work, "a re-check seeing the child");
+}
+
+/// Model 4: worker 0's queue holds a job that stays busy until the rest has
+/// run; a spawn from outside then lands on worker 0 (round-robin) while it
+/// may be busy: if worker 0 is awake and nobody searches, `push_fresh` must
+/// wake the other, possibly parked, worker to steal it.
+#[test]
+fn spawn_to_busy_worker_reaches_idle_worker() {
+    static COVERAGE: Coverage = Coverage::new();
+    model(|| {
+        let world = Arc::new(World::new(2, 2, &COVERAGE));
+        world.workers[0].fresh.push(Body::WaitForOthers);
+        let handles = start_workers(&world);
+        world.push_fresh(Body::Plain);
+        finish(&world, handles);
+    });
+    Coverage::assert(&COVERAGE.woke_another, "push_fresh waking a worker other than its target");
+    Coverage::assert(&COVERAGE.recheck_found_work, "a re-check seeing the spawn");
+}
