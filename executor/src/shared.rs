@@ -37,7 +37,7 @@
 //! `parked == true` and unparks it.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle as ThreadHandle;
@@ -46,7 +46,7 @@ use crossbeam_deque::{Injector, Steal, Stealer, Worker};
 use crossbeam_utils::sync::{Parker, Unparker};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
-use spindle_fiber::{Fiber, FiberId, Priority, Schedule};
+use spindle_fiber::{Fiber, FiberId, FiberIdHasher, Priority, Schedule};
 
 use crate::config::Config;
 use crate::task::TaskRef;
@@ -144,7 +144,7 @@ pub(crate) struct WorkerShared {
     pub(crate) preempt: AtomicBool,
     /// Fibers of this worker that sleep, for deadlock reports. Written by
     /// the worker, read by sysmon.
-    pub(crate) sleeping: Mutex<HashMap<FiberId, Task, BuildHasherDefault<IdHasher>>>,
+    pub(crate) sleeping: Mutex<HashMap<FiberId, Task, BuildHasherDefault<FiberIdHasher>>>,
     /// The worker's local deques, taken by its thread when it starts.
     pub(crate) locals: Mutex<Option<[Worker<Job>; CLASSES]>>,
     /// The wake seam for fibers pinned to this worker.
@@ -387,23 +387,5 @@ impl Shared {
         let done: u64 = self.workers.iter().map(|w| w.hot.counters.completed.load(Ordering::Acquire)).sum();
         let outside = self.stats.completed_outside.load(Ordering::Acquire);
         self.stats.spawned.load(Ordering::Acquire).saturating_sub(done + outside)
-    }
-}
-
-/// Fiber ids are unique and sequential: a multiplicative hash spreads them.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }

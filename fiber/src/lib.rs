@@ -59,7 +59,7 @@ pub use current::{
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
-pub use header::{FiberId, FiberStats, Priority, WaitReason};
+pub use header::{FiberId, FiberIdHasher, FiberStats, Priority, WaitReason};
 pub use report::leaked_stacks;
 pub use stack::{FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE};
 pub use state::FiberState;

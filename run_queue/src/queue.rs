@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use priority_queue::PriorityQueue;
-use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule};
+use spindle_fiber::{Fiber, FiberError, FiberIdHasher, Priority, RunOutcome, Schedule};
 
 use self::sync::{Condvar, Mutex, MutexGuard};
 
@@ -56,30 +56,13 @@ impl<T> Hash for Entry<T> {
         self.0.id().hash(state)
     }
 }
-/// Fiber ids are unique and sequential: a multiplicative hash spreads them.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
 
 /// Queue key: priority first, then earlier sequence numbers first.
 type Key = (Priority, Reverse<u64>);
 
 /// Everything guarded by the queue's mutex.
 struct Synced<T> {
-    heap: PriorityQueue<Entry<T>, Key, BuildHasherDefault<IdHasher>>,
+    heap: PriorityQueue<Entry<T>, Key, BuildHasherDefault<FiberIdHasher>>,
     /// Next tie-breaking sequence number.
     seq: u64,
     /// Poppers parked on the condvar.
