@@ -86,13 +86,35 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             deadlock_suspect = None;
         }
 
-        let nap =
-            if all_parked && deadlock_suspect.is_none() { IDLE_NAP } else { shared.config.sysmon_interval };
+        let nap = next_nap(&shared, all_parked, deadlock_suspect.is_some());
         let nap = match shared.timers.next_deadline() {
             Some(d) => nap.min(d.saturating_duration_since(Instant::now())),
             None => nap,
         };
         parker.park_timeout(nap);
+    }
+}
+
+/// How long to sleep before the next look. Every tick preempts a busy
+/// worker on a small machine, so sysmon only ticks at the full rate when a
+/// tick can change something:
+/// * everything parked (and no deadlock to confirm): a long nap;
+/// * work pending and room to scale: the sysmon interval (stuck detection);
+/// * otherwise (the pool is at its maximum, or nothing waits): only the
+///   time slices need watching, at half a slice.
+///
+/// Timers cap the nap (the caller), and spawns from outside, timer
+/// registrations and blocked joins wake sysmon early.
+fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Duration {
+    let c = &shared.config;
+    if confirming_deadlock {
+        c.sysmon_interval
+    } else if all_parked {
+        IDLE_NAP
+    } else if shared.active.load(Ordering::Relaxed) < c.max_workers && shared.pending_work() {
+        c.sysmon_interval
+    } else {
+        (c.time_slice / 2).max(c.sysmon_interval)
     }
 }
 
