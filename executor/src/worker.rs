@@ -246,8 +246,15 @@ impl Worker {
                     Ok(f) => f,
                     Err(e) => {
                         // Out of stacks (mappings or memory): put the job
-                        // back and let running fibers finish first.
-                        eprintln!("spindle-executor: cannot start a fiber yet: {e}");
+                        // back and let running fibers finish first. Said
+                        // once per process: it can recur for every job.
+                        static WARNED: std::sync::Once = std::sync::Once::new();
+                        WARNED.call_once(|| {
+                            eprintln!(
+                                "spindle-executor: cannot start more fibers for now ({e}); \
+                                 jobs wait until running fibers finish"
+                            )
+                        });
                         self.shared().global[class_of(job.priority)].push(job);
                         std::thread::yield_now();
                         return None;
