@@ -147,6 +147,7 @@ pub fn in_fiber() -> bool {
 /// `value`. On an ordinary thread this is [`std::thread::yield_now`].
 ///
 /// [`RunOutcome::Yielded`]: crate::RunOutcome::Yielded
+#[inline]
 pub fn yield_value(value: usize) {
     let h = current_header();
     if h.is_null() {
@@ -182,6 +183,7 @@ pub fn yield_value(value: usize) {
 /// assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
 /// assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned("done")));
 /// ```
+#[inline]
 pub fn yield_now() {
     yield_value(0)
 }

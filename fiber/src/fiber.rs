@@ -28,7 +28,9 @@ pub(crate) enum Msg {
 }
 
 pub(crate) type Yielder = corosensei::Yielder<(), Msg>;
-type Coro<T> = Coroutine<(), Msg, T, FiberStack>;
+/// The coroutine returns the function's value, or the payload of a panic
+/// caught at the fiber's root.
+type Coro<T> = Coroutine<(), Msg, std::thread::Result<T>, FiberStack>;
 
 /// Creation attributes of a fiber.
 ///
@@ -366,7 +368,11 @@ impl<T: Send + 'static> Fiber<T> {
                     .yielder
                     .store(y as *const Yielder as *mut (), Ordering::Relaxed)
             };
-            f()
+            // Panics are caught here, at the fiber's root, so that `run`
+            // needs no landing pad around the switch. A forced unwind (a
+            // suspended fiber being dropped) is caught here too and ends the
+            // function like a return, which is what corosensei expects.
+            catch_unwind(AssertUnwindSafe(f))
         });
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
@@ -407,16 +413,16 @@ impl<T: Send + 'static> Fiber<T> {
         let coro = slot.coro.as_mut().expect("a Ready fiber has a function");
 
         let prev = swap_current(h);
-        let result = catch_unwind(AssertUnwindSafe(|| coro.resume(())));
+        let result = coro.resume(());
         swap_current(prev);
 
         Ok(match result {
-            Ok(CoroutineResult::Yield(Msg::Yield(v))) => {
+            CoroutineResult::Yield(Msg::Yield(v)) => {
                 Counters::bump(&h.counters.yields);
                 h.state.transition_to_yielded();
                 RunOutcome::Yielded(v)
             }
-            Ok(CoroutineResult::Yield(Msg::Sleep)) => {
+            CoroutineResult::Yield(Msg::Sleep) => {
                 Counters::bump(&h.counters.sleeps);
                 match h.state.transition_to_sleeping() {
                     SleepTransition::Asleep => {}
@@ -427,11 +433,11 @@ impl<T: Send + 'static> Fiber<T> {
                 }
                 RunOutcome::Slept
             }
-            Ok(CoroutineResult::Return(v)) => {
+            CoroutineResult::Return(Ok(v)) => {
                 self.finish(slot);
                 RunOutcome::Returned(v)
             }
-            Err(payload) => {
+            CoroutineResult::Return(Err(payload)) => {
                 self.finish(slot);
                 RunOutcome::Panicked(Panic {
                     fiber: h.id,
@@ -669,8 +675,11 @@ impl<T> Drop for Fiber<T> {
 /// is still held: destructors on that stack may call `current()` or
 /// `Waiter::current()` (which takes a new reference) safely.
 fn release<T>(mut arc: Arc<Inner<T>>) {
-    if let Some(inner) = Arc::get_mut(&mut arc) {
-        let slot = inner.slot.get_mut();
+    // No `Weak` is ever made, so a strong count of one means exclusive
+    // access (checked without `get_mut`'s extra compare-and-swap).
+    if Arc::strong_count(&arc) == 1 {
+        // SAFETY: we hold the only reference: nobody else can reach the slot.
+        let slot = unsafe { &mut *arc.slot.get() };
         let pool = slot.pool;
         let unwind_here = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
             && (slot.migratable || slot.pinned_to == thread_id());

@@ -100,11 +100,13 @@ impl StateCell {
     }
 
     /// Publishes `to`, ending an exclusive section.
+    #[inline]
     pub fn store(&self, to: FiberState) {
         self.0.store(to as u8, Ordering::Release);
     }
 
     /// `from` → `to`, or the state actually found.
+    #[inline]
     pub fn transition(&self, from: FiberState, to: FiberState) -> Result<(), FiberState> {
         self.0
             .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
