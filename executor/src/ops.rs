@@ -68,7 +68,7 @@ pub fn yield_now() {
 /// load otherwise: call it in long loops.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
-        if w.me().preempt.swap(false, Ordering::Relaxed) {
+        if w.me().hot.preempt.swap(false, Ordering::Relaxed) {
             yield_now();
         }
     }

@@ -121,6 +121,9 @@ pub(crate) struct Hot {
     /// thread, to tell the executor's own fibers from fibers nested in them.
     pub(crate) running_fiber: AtomicU64,
     pub(crate) running_task: AtomicUsize,
+    /// Set by sysmon when the running fiber overran its time slice; read and
+    /// cleared by `yield_if_needed` and by the worker between fibers.
+    pub(crate) preempt: AtomicBool,
     pub(crate) counters: WorkerCounters,
 }
 
@@ -139,9 +142,6 @@ pub(crate) struct WorkerShared {
     pub(crate) active: AtomicBool,
     /// The thread has been started.
     pub(crate) started: AtomicBool,
-    /// Set by sysmon when the running fiber overran its time slice; read and
-    /// cleared by `yield_if_needed` and by the worker between fibers.
-    pub(crate) preempt: AtomicBool,
     /// Fibers of this worker that sleep, for deadlock reports. Written by
     /// the worker, read by sysmon.
     pub(crate) sleeping: Mutex<HashMap<FiberId, Task, BuildHasherDefault<FiberIdHasher>>>,
@@ -216,9 +216,9 @@ pub(crate) struct Shared {
     /// Active workers (take fresh work).
     pub(crate) active: AtomicUsize,
     /// Workers looking for work (spinning before they park).
-    pub(crate) searching: AtomicUsize,
+    pub(crate) searching: CachePadded<AtomicUsize>,
     /// Round-robin cursor for spawns.
-    pub(crate) next_spawn: AtomicUsize,
+    pub(crate) next_spawn: CachePadded<AtomicUsize>,
     /// Threads blocked in `join`/`block_on`: their tasks, for deadlock
     /// detection.
     pub(crate) blocked_joiners: Mutex<Vec<TaskRef>>,
@@ -262,7 +262,6 @@ impl Shared {
                         locals: Mutex::new(Some(locals)),
                         active: AtomicBool::new(false),
                         started: AtomicBool::new(false),
-                        preempt: AtomicBool::new(false),
                         sleeping: Mutex::new(Default::default()),
                     }
                 })
@@ -272,8 +271,8 @@ impl Shared {
                 workers,
                 global: Default::default(),
                 active: AtomicUsize::new(0),
-                searching: AtomicUsize::new(0),
-                next_spawn: AtomicUsize::new(0),
+                searching: CachePadded::new(AtomicUsize::new(0)),
+                next_spawn: CachePadded::new(AtomicUsize::new(0)),
                 blocked_joiners: Mutex::new(Vec::new()),
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),

@@ -51,7 +51,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
                 continue;
             }
             let stalled = now - seen.since;
-            if stalled >= shared.config.time_slice && !w.preempt.swap(true, Ordering::Relaxed) {
+            if stalled >= shared.config.time_slice && !w.hot.preempt.swap(true, Ordering::Relaxed) {
                 crate::trace_event!(worker = w.index, "time slice overrun");
             }
             // Only a worker inside a fiber is stuck; one that is searching

@@ -202,7 +202,9 @@ impl Worker {
         // its executor suspension point (ops.rs), on its own stack, after
         // whatever woke it (a token, a message) has been handed over.
         let me = self.ctx.me();
-        me.preempt.store(false, Ordering::Relaxed);
+        if me.hot.preempt.load(Ordering::Relaxed) {
+            me.hot.preempt.store(false, Ordering::Relaxed);
+        }
         me.hot.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
         me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
         let outcome = fiber.run();

@@ -28,7 +28,7 @@
 use std::cmp::Reverse;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,25 @@ struct Synced<T> {
     seq: u64,
     /// Poppers parked on the condvar.
     sleepers: usize,
+    /// Counters: plain fields, since every operation holds the lock anyway.
+    stats: RunQueueStats,
+}
+
+impl<T> Synced<T> {
+    /// Pops under the lock, counting, and refreshes the length hint.
+    fn pop(&mut self, len_hint: &AtomicUsize) -> Option<Fiber<T>> {
+        match self.heap.pop() {
+            Some((e, _)) => {
+                self.stats.pops += 1;
+                len_hint.store(self.heap.len(), Ordering::Relaxed);
+                Some(e.0)
+            }
+            None => {
+                self.stats.empty_pops += 1;
+                None
+            }
+        }
+    }
 }
 
 struct Shared<T> {
@@ -77,17 +96,10 @@ struct Shared<T> {
     capacity: usize,
     synced: Mutex<Synced<T>>,
     not_empty: Condvar,
-    stats: Counters,
-}
-
-#[derive(Default)]
-struct Counters {
-    pushes: AtomicU64,
-    pops: AtomicU64,
-    empty_pops: AtomicU64,
-    full_pushes: AtomicU64,
-    wakes: AtomicU64,
-    parks: AtomicU64,
+    /// The queue's length as of the last push or pop, written under the
+    /// lock: lets idle pollers skip the lock while the queue is empty. Only
+    /// a hint; every decision to sleep re-checks under the lock.
+    len_hint: AtomicUsize,
 }
 
 /// A snapshot of a run queue's counters.
@@ -185,9 +197,10 @@ impl<T: Send + 'static> RunQueue<T> {
                 heap: PriorityQueue::with_capacity_and_hasher(capacity, Default::default()),
                 seq: 0,
                 sleepers: 0,
+                stats: RunQueueStats::default(),
             }),
             not_empty: Condvar::new(),
-            stats: Counters::default(),
+            len_hint: AtomicUsize::new(0),
         });
         let home: Arc<dyn Schedule<T>> = shared.clone();
         RunQueue { shared, home }
@@ -198,10 +211,10 @@ impl<T: Send + 'static> RunQueue<T> {
     /// A full queue or a fiber that is not runnable hands the fiber back in
     /// the error: nothing is lost.
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
-        let synced = self.shared.synced.lock();
+        let mut synced = self.shared.synced.lock();
         if synced.heap.len() >= self.shared.capacity {
+            synced.stats.full_pushes += 1;
             drop(synced);
-            self.shared.stats.full_pushes.fetch_add(1, Ordering::Relaxed);
             return Err(PushError::Full(fiber));
         }
         // Under the lock, so a fiber refused as full is never re-homed here.
@@ -215,8 +228,8 @@ impl<T: Send + 'static> RunQueue<T> {
 
     /// Pops the highest-priority fiber, or `None` if the queue is empty.
     pub fn try_pop(&self) -> Option<Fiber<T>> {
-        let popped = self.shared.synced.lock().heap.pop();
-        self.shared.finish_pop(popped.map(|(e, _)| e.0))
+        let popped = self.shared.synced.lock().pop(&self.shared.len_hint);
+        finish_pop(popped)
     }
 
     /// Pops the highest-priority fiber, waiting up to `timeout` for one:
@@ -236,12 +249,14 @@ impl<T: Send + 'static> RunQueue<T> {
         let deadline = Instant::now().checked_add(timeout);
         let mut synced = self.shared.synced.lock();
         loop {
-            if let Some((e, _)) = synced.heap.pop() {
+            // Empty checks while waiting are not counted; the outcome is.
+            if !synced.heap.is_empty() {
+                let popped = synced.pop(&self.shared.len_hint);
                 drop(synced);
-                return self.shared.finish_pop(Some(e.0));
+                return finish_pop(popped);
             }
             synced.sleepers += 1;
-            self.shared.stats.parks.fetch_add(1, Ordering::Relaxed);
+            synced.stats.parks += 1;
             let timed_out = match deadline {
                 Some(d) => self.shared.not_empty.wait_until(&mut synced, d).timed_out(),
                 None => {
@@ -251,16 +266,26 @@ impl<T: Send + 'static> RunQueue<T> {
             };
             synced.sleepers -= 1;
             if timed_out {
-                let popped = synced.heap.pop().map(|(e, _)| e.0);
+                let popped = synced.pop(&self.shared.len_hint);
                 drop(synced);
-                return self.shared.finish_pop(popped);
+                return finish_pop(popped);
             }
         }
     }
 
+    /// A poll by an idle popper: skips the lock while the queue looks
+    /// empty, and does not count empty polls.
     fn try_pop_quiet(&self) -> Option<Fiber<T>> {
-        let popped = self.shared.synced.lock().heap.pop()?;
-        self.shared.finish_pop(Some(popped.0 .0))
+        if self.shared.len_hint.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let mut synced = self.shared.synced.lock();
+        if synced.heap.is_empty() {
+            return None;
+        }
+        let popped = synced.pop(&self.shared.len_hint);
+        drop(synced);
+        finish_pop(popped)
     }
 
     /// Pops the next fiber and runs it on this thread until it suspends. A
@@ -324,15 +349,7 @@ impl<T> RunQueue<T> {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> RunQueueStats {
-        let c = &self.shared.stats;
-        RunQueueStats {
-            pushes: c.pushes.load(Ordering::Relaxed),
-            pops: c.pops.load(Ordering::Relaxed),
-            empty_pops: c.empty_pops.load(Ordering::Relaxed),
-            full_pushes: c.full_pushes.load(Ordering::Relaxed),
-            wakes: c.wakes.load(Ordering::Relaxed),
-            parks: c.parks.load(Ordering::Relaxed),
-        }
+        self.shared.synced.lock().stats
     }
 }
 
@@ -343,35 +360,30 @@ impl<T> Shared<T> {
         let key = (fiber.priority(), Reverse(synced.seq));
         synced.seq += 1;
         synced.heap.push(Entry(fiber), key);
+        synced.stats.pushes += 1;
+        self.len_hint.store(synced.heap.len(), Ordering::Relaxed);
         let sleepers = synced.sleepers;
         drop(synced);
-        self.stats.pushes.fetch_add(1, Ordering::Relaxed);
         if sleepers > 0 {
             self.not_empty.notify_one();
         }
     }
+}
 
-    fn finish_pop(&self, popped: Option<Fiber<T>>) -> Option<Fiber<T>> {
-        match popped {
-            Some(f) => {
-                self.stats.pops.fetch_add(1, Ordering::Relaxed);
-                f.mark_dequeued().expect("a fiber in the queue is Queued");
-                Some(f)
-            }
-            None => {
-                self.stats.empty_pops.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-        }
+/// Outside the lock: a popped fiber goes from `Queued` to `Ready`.
+fn finish_pop<T>(popped: Option<Fiber<T>>) -> Option<Fiber<T>> {
+    if let Some(f) = &popped {
+        f.mark_dequeued().expect("a fiber in the queue is Queued");
     }
+    popped
 }
 
 impl<T: Send + 'static> Schedule<T> for Shared<T> {
     /// A woken fiber comes back. Wakes are never refused: the capacity
     /// bounds `try_push`, and a fiber that slept was counted there before.
     fn schedule(&self, fiber: Fiber<T>) {
-        self.stats.wakes.fetch_add(1, Ordering::Relaxed);
-        let synced = self.synced.lock();
+        let mut synced = self.synced.lock();
+        synced.stats.wakes += 1;
         if self.handles.load(Ordering::Acquire) == 0 {
             // The queue is gone: leave the fiber runnable for whoever
             // still holds it.
