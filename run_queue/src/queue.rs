@@ -25,15 +25,13 @@
 //! `sync` module at the end swaps parking_lot for loom's mutex and condvar when
 //! built with `--cfg loom` (loom cannot see parking_lot).
 
-use std::cmp::Reverse;
+use std::collections::VecDeque;
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use priority_queue::PriorityQueue;
-use spindle_fiber::{Fiber, FiberError, FiberIdHasher, Priority, RunOutcome, Schedule};
+use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule};
 
 use self::sync::{Condvar, Mutex, MutexGuard};
 
@@ -42,29 +40,71 @@ use self::sync::{Condvar, Mutex, MutexGuard};
 /// (Two under loom: one of each kind of poll is enough for the model.)
 const SPINS: u32 = if cfg!(loom) { 2 } else { 64 };
 
-/// A fiber in the queue, hashed and compared by id.
-struct Entry<T>(Fiber<T>);
-
-impl<T> PartialEq for Entry<T> {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.id() == other.0.id()
-    }
-}
-impl<T> Eq for Entry<T> {}
-impl<T> Hash for Entry<T> {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.0.id().hash(state)
-    }
+/// One FIFO per priority level and a 256-bit map of the non-empty levels:
+/// push and pop are O(1) (a bit scan finds the highest level), FIFO among
+/// equal priorities holds by construction, and nothing is hashed.
+struct Levels<T> {
+    fifos: Box<[VecDeque<Fiber<T>>]>,
+    /// Bit `p` is set when level `p` is non-empty.
+    occupied: [u64; 4],
+    len: usize,
 }
 
-/// Queue key: priority first, then earlier sequence numbers first.
-type Key = (Priority, Reverse<u64>);
+impl<T> Levels<T> {
+    fn new() -> Levels<T> {
+        Levels { fifos: (0..256).map(|_| VecDeque::new()).collect(), occupied: [0; 4], len: 0 }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push(&mut self, fiber: Fiber<T>, level: Priority) {
+        let p = level.0 as usize;
+        self.fifos[p].push_back(fiber);
+        self.occupied[p / 64] |= 1 << (p % 64);
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Fiber<T>> {
+        let word = (0..4).rev().find(|&w| self.occupied[w] != 0)?;
+        let p = word * 64 + (63 - self.occupied[word].leading_zeros() as usize);
+        let fiber = self.fifos[p].pop_front();
+        if self.fifos[p].is_empty() {
+            self.occupied[word] &= !(1 << (p % 64));
+        }
+        self.len -= 1;
+        fiber
+    }
+
+    /// Moves a queued fiber to the back of `level`; `false` if it is not
+    /// here. Scans the occupied levels: priority changes are rare.
+    fn change_priority(&mut self, fiber: &Fiber<T>, level: Priority) -> bool {
+        for p in 0..256 {
+            if self.occupied[p / 64] & (1 << (p % 64)) == 0 {
+                continue;
+            }
+            if let Some(i) = self.fifos[p].iter().position(|f| Fiber::ptr_eq(f, fiber)) {
+                let f = self.fifos[p].remove(i).expect("found above");
+                if self.fifos[p].is_empty() {
+                    self.occupied[p / 64] &= !(1 << (p % 64));
+                }
+                self.len -= 1;
+                self.push(f, level);
+                return true;
+            }
+        }
+        false
+    }
+}
 
 /// Everything guarded by the queue's mutex.
 struct Synced<T> {
-    heap: PriorityQueue<Entry<T>, Key, BuildHasherDefault<FiberIdHasher>>,
-    /// Next tie-breaking sequence number.
-    seq: u64,
+    heap: Levels<T>,
     /// Poppers parked on the condvar.
     sleepers: usize,
     /// Counters: plain fields, since every operation holds the lock anyway.
@@ -75,10 +115,10 @@ impl<T> Synced<T> {
     /// Pops under the lock, counting, and refreshes the length hint.
     fn pop(&mut self, len_hint: &AtomicUsize) -> Option<Fiber<T>> {
         match self.heap.pop() {
-            Some((e, _)) => {
+            Some(f) => {
                 self.stats.pops += 1;
                 len_hint.store(self.heap.len(), Ordering::Relaxed);
-                Some(e.0)
+                Some(f)
             }
             None => {
                 self.stats.empty_pops += 1;
@@ -193,12 +233,7 @@ impl<T: Send + 'static> RunQueue<T> {
         let shared = Arc::new(Shared {
             handles: AtomicUsize::new(1),
             capacity,
-            synced: Mutex::new(Synced {
-                heap: PriorityQueue::with_capacity_and_hasher(capacity, Default::default()),
-                seq: 0,
-                sleepers: 0,
-                stats: RunQueueStats::default(),
-            }),
+            synced: Mutex::new(Synced { heap: Levels::new(), sleepers: 0, stats: RunQueueStats::default() }),
             not_empty: Condvar::new(),
             len_hint: AtomicUsize::new(0),
         });
@@ -322,12 +357,8 @@ impl<T: Send + 'static> RunQueue<T> {
     pub fn set_priority(&self, fiber: &Fiber<T>, priority: Priority) {
         fiber.set_priority(priority);
         let mut synced = self.shared.synced.lock();
-        let seq = synced.seq;
-        synced.seq += 1;
-        let probe = Entry(fiber.clone());
-        synced.heap.change_priority(&probe, (priority, Reverse(seq)));
+        synced.heap.change_priority(fiber, priority);
         drop(synced);
-        drop(probe);
     }
 }
 
@@ -357,9 +388,8 @@ impl<T> Shared<T> {
     /// Inserts a fiber already marked `Queued`, then notifies a parked
     /// popper if there is one (pusher steps 1 and 2).
     fn insert(&self, mut synced: MutexGuard<'_, Synced<T>>, fiber: Fiber<T>) {
-        let key = (fiber.priority(), Reverse(synced.seq));
-        synced.seq += 1;
-        synced.heap.push(Entry(fiber), key);
+        let level = fiber.priority();
+        synced.heap.push(fiber, level);
         synced.stats.pushes += 1;
         self.len_hint.store(synced.heap.len(), Ordering::Relaxed);
         let sleepers = synced.sleepers;
@@ -411,7 +441,7 @@ impl<T> Drop for RunQueue<T> {
         }
         let drained: Vec<Fiber<T>> = {
             let mut synced = self.shared.synced.lock();
-            std::iter::from_fn(|| synced.heap.pop().map(|(e, _)| e.0)).collect()
+            std::iter::from_fn(|| synced.heap.pop()).collect()
         };
         for f in drained {
             let _ = f.mark_dequeued();
