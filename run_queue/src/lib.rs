@@ -26,7 +26,7 @@
 //! ```
 //!
 //! Ordering: highest [`Priority`](spindle_fiber::Priority) first, FIFO among
-//! equal priorities (a sequence number breaks ties). Changing the priority
+//! equal priorities (one FIFO per priority level). Changing the priority
 //! of a queued fiber through [`RunQueue::set_priority`] moves it at once;
 //! [`Fiber::set_priority`](spindle_fiber::Fiber::set_priority) takes effect
 //! at its next push.

@@ -223,8 +223,9 @@ pub struct RunQueue<T = ()> {
 
 impl<T: Send + 'static> RunQueue<T> {
     /// A queue that accepts up to `capacity` fibers from
-    /// [`try_push`](RunQueue::try_push). Storage for them is allocated now,
-    /// so pushes and pops do not allocate.
+    /// [`try_push`](RunQueue::try_push). Each priority level's FIFO grows
+    /// on first use and keeps its capacity, so in a steady state pushes and
+    /// pops do not allocate.
     ///
     /// # Panics
     /// If `capacity` is 0.
