@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{fiber, named_fiber, watchdog};
+use common::{fiber, named_fiber, sleepers_on, watchdog};
 use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::Semaphore;
@@ -144,21 +144,8 @@ fn single_releases_wake_many_sleepers_in_order() {
     const N: usize = 64;
     watchdog("single_releases_wake_many_sleepers_in_order", 30, |stage| {
         let sem = Arc::new(Semaphore::new(0));
-        let queue = RunQueue::<usize>::new(N);
-        for i in 0..N {
-            let s = sem.clone();
-            queue
-                .try_push(fiber(Priority::NORMAL, move || {
-                    s.acquire();
-                    i
-                }))
-                .unwrap();
-        }
         stage.set("putting all fibers to sleep");
-        while let Some(ran) = queue.run_next() {
-            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
-        }
-        assert_eq!(sem.waiters(), N);
+        let queue = sleepers_on(&sem, N);
         stage.set("releasing one token at a time");
         for i in 0..N {
             sem.release(1);

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use common::{fiber, spin_until, watchdog, watchdog_with_status, Stage, XorShift};
+use common::{fiber, sleepers_on, spin_until, watchdog, watchdog_with_status, Stage, XorShift};
 use spindle_fiber::{yield_now, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Msg, Semaphore};
@@ -27,21 +27,8 @@ fn a_thread_releases_a_semaphore_that_wakes_fibers() {
     const N: usize = 32;
     watchdog("a_thread_releases_a_semaphore_that_wakes_fibers", 30, |stage| {
         let sem = Arc::new(Semaphore::new(0));
-        let queue = RunQueue::<usize>::new(N);
-        for i in 0..N {
-            let s = sem.clone();
-            queue
-                .try_push(fiber(Priority::NORMAL, move || {
-                    s.acquire();
-                    i
-                }))
-                .unwrap();
-        }
         stage.set("putting the fibers to sleep");
-        while let Some(ran) = queue.run_next() {
-            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
-        }
-        assert_eq!(sem.waiters(), N);
+        let queue = sleepers_on(&sem, N);
 
         let s = sem.clone();
         let releaser = thread::spawn(move || {

@@ -11,7 +11,9 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use spindle_fiber::{Fiber, FiberAttr, Priority};
+use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::Semaphore;
 
 /// What a watched test is doing right now; shown when the watchdog fires.
 ///
@@ -160,6 +162,26 @@ where
     let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024)).expect("creating a fiber");
     fiber.set_function(priority, f).expect("setting the fiber's function");
     fiber
+}
+
+/// `n` fibers on a new run queue, each acquiring `sem` then returning its
+/// index, run until every one of them sleeps on `sem` (in index order).
+pub fn sleepers_on(sem: &Arc<Semaphore>, n: usize) -> RunQueue<usize> {
+    let queue = RunQueue::new(n);
+    for i in 0..n {
+        let s = sem.clone();
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                s.acquire();
+                i
+            }))
+            .unwrap();
+    }
+    while let Some(ran) = queue.run_next() {
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+    }
+    assert_eq!(sem.waiters(), n);
+    queue
 }
 
 /// A named fiber with a small stack, running `f` at `priority`, pinned to
