@@ -59,6 +59,11 @@ fn tokio_current_thread() -> tokio::runtime::Runtime {
 }
 
 /// Runs every fiber of `queue` on this thread until the queue is empty.
+/// Two fresh fibers for a hand-driven pair (pooled stacks: no mapping).
+fn two_fibers() -> (Fiber<u64>, Fiber<u64>) {
+    (Fiber::new(FiberAttr::new()).unwrap(), Fiber::new(FiberAttr::new()).unwrap())
+}
+
 fn drain(queue: &RunQueue<u64>) -> u64 {
     let mut result = 0;
     while let Some(ran) = queue.run_next() {
@@ -207,11 +212,12 @@ fn semaphore_ping_pong(c: &mut Criterion) {
 
     g.bench_function("spindle", |b| {
         let q = RunQueue::<u64>::new(4);
-        let pinger = Fiber::new(FiberAttr::new()).unwrap();
-        let ponger = Fiber::new(FiberAttr::new()).unwrap();
         let ping = Arc::new(Semaphore::new(0));
         let pong = Arc::new(Semaphore::new(0));
         b.iter_custom(|iters| {
+            // The queue holds the only handles, as when a user pushes
+            // fibers and lets them run (stacks come from the pool).
+            let (pinger, ponger) = two_fibers();
             let (tx, rx) = (ping.clone(), pong.clone());
             pinger
                 .set_function(Priority::NORMAL, move || {
@@ -233,8 +239,8 @@ fn semaphore_ping_pong(c: &mut Criterion) {
                     0
                 })
                 .unwrap();
-            q.try_push(pinger.clone()).unwrap();
-            q.try_push(ponger.clone()).unwrap();
+            q.try_push(pinger).unwrap();
+            q.try_push(ponger).unwrap();
             Duration::from_nanos(drain(&q))
         });
     });
@@ -358,15 +364,14 @@ fn channel_ping_pong(c: &mut Criterion) {
 
     g.bench_function("spindle", |b| {
         let q = RunQueue::<u64>::new(4);
-        let pinger = Fiber::new(FiberAttr::new()).unwrap();
-        let ponger = Fiber::new(FiberAttr::new()).unwrap();
         let (ping, pong) = (Arc::new(Channel::new()), Arc::new(Channel::new()));
         b.iter_custom(|iters| {
+            let (pinger, ponger) = two_fibers();
             let (ping_fn, pong_fn) = channel_pair(iters, &ping, &pong);
             pinger.set_function(Priority::NORMAL, ping_fn).unwrap();
             ponger.set_function(Priority::NORMAL, pong_fn).unwrap();
-            q.try_push(pinger.clone()).unwrap();
-            q.try_push(ponger.clone()).unwrap();
+            q.try_push(pinger).unwrap();
+            q.try_push(ponger).unwrap();
             Duration::from_nanos(drain(&q))
         });
     });
@@ -557,9 +562,8 @@ fn yield_alternation(c: &mut Criterion) {
     // one iteration (one yield) is half the elapsed time.
     g.bench_function("spindle", |b| {
         let q = RunQueue::<u64>::new(4);
-        let first = Fiber::new(FiberAttr::new()).unwrap();
-        let second = Fiber::new(FiberAttr::new()).unwrap();
         b.iter_custom(|iters| {
+            let (first, second) = two_fibers();
             first
                 .set_function(Priority::NORMAL, move || {
                     let start = Instant::now();
@@ -577,8 +581,8 @@ fn yield_alternation(c: &mut Criterion) {
                     0
                 })
                 .unwrap();
-            q.try_push(first.clone()).unwrap();
-            q.try_push(second.clone()).unwrap();
+            q.try_push(first).unwrap();
+            q.try_push(second).unwrap();
             Duration::from_nanos(drain(&q)) / 2
         });
     });

@@ -47,6 +47,20 @@ fn run_yield_round_trip(c: &mut Criterion) {
         });
     });
 
+    // A uniquely owned fiber driven through `run_mut` (no atomic claim).
+    g.bench_function("spindle_run_mut", |b| {
+        let mut fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || loop {
+                yield_now();
+            })
+            .unwrap();
+        b.iter(|| match fiber.run_mut() {
+            Ok(RunOutcome::Yielded(v)) => black_box(v),
+            other => panic!("expected a yield, got {other:?}"),
+        });
+    });
+
     g.bench_function("corosensei", |b| {
         let mut co: Coroutine<(), usize, (), DefaultStack> =
             Coroutine::with_stack(DefaultStack::new(STACK).unwrap(), |y, ()| loop {
@@ -55,6 +69,38 @@ fn run_yield_round_trip(c: &mut Criterion) {
         b.iter(|| match co.resume(()) {
             CoroutineResult::Yield(v) => black_box(v),
             CoroutineResult::Return(()) => unreachable!(),
+        });
+    });
+
+    // The floor for any fiber that knows which fiber is current: the raw
+    // switch plus one non-inlined thread-local call on each side (set the
+    // current fiber before resuming; read it, and put back the previous
+    // one, before suspending). Spindle's run path makes exactly these two
+    // calls; they must stay out of line because a fiber may resume on
+    // another thread (llvm/llvm-project#98479).
+    g.bench_function("corosensei_current_tls", |b| {
+        thread_local! {
+            static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+        }
+        #[inline(never)]
+        fn enter(v: usize) {
+            CURRENT.with(|c| c.set(v));
+        }
+        #[inline(never)]
+        fn leave() -> usize {
+            CURRENT.with(|c| c.replace(0))
+        }
+        let mut co: Coroutine<(), usize, (), DefaultStack> =
+            Coroutine::with_stack(DefaultStack::new(STACK).unwrap(), |y, ()| loop {
+                let v = leave();
+                y.suspend(v);
+            });
+        b.iter(|| {
+            enter(1);
+            match co.resume(()) {
+                CoroutineResult::Yield(v) => black_box(v),
+                CoroutineResult::Return(()) => unreachable!(),
+            }
         });
     });
 

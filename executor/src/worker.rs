@@ -191,7 +191,7 @@ impl Worker {
     }
 
     fn run_one(&mut self, next: Next) {
-        let fiber = match next {
+        let mut fiber = match next {
             Next::Resumed(t) => t,
             Next::Fresh(job) => match self.start(job) {
                 Some(f) => f,
@@ -207,7 +207,7 @@ impl Worker {
         }
         me.hot.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
         me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
-        let outcome = fiber.run();
+        let outcome = fiber.run_mut();
         me.hot.running_fiber.store(0, Ordering::Relaxed);
         me.hot.running_task.store(0, Ordering::Relaxed);
         match outcome {

@@ -50,19 +50,51 @@ pub(crate) fn current_header() -> *const Header {
 /// A process-unique id of the calling thread (never reused, never 0).
 #[inline(never)]
 pub(crate) fn thread_id() -> u64 {
-    THREAD_ID.with(|t| {
-        let id = t.get();
-        if id != 0 {
-            return id;
-        }
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        t.set(id);
-        // First fiber run on this thread: make sure a stack overflow can be
-        // reported here.
-        crate::overflow::ensure_altstack();
-        id
+    THREAD_ID.with(|t| match t.get() {
+        0 => assign_thread_id(t),
+        id => id,
     })
+}
+
+/// Runner side, just before switching into `h`: makes `h` the current
+/// fiber, remembering what was current for [`leave`] to restore when the
+/// fiber switches out. Returns this thread's id. One call for everything
+/// `run` needs from thread-locals.
+#[inline(never)]
+pub(crate) fn enter(h: &Header) -> u64 {
+    let prev = CURRENT.with(|c| c.replace(h));
+    h.prev_current.store(prev as *mut Header, Ordering::Relaxed);
+    THREAD_ID.with(|t| match t.get() {
+        0 => assign_thread_id(t),
+        id => id,
+    })
+}
+
+/// Fiber side, just before switching out (yield, sleep, return): gives the
+/// thread back its previous current fiber (see [`enter`]) and returns the
+/// one that is switching out, or null on an ordinary thread.
+#[inline(never)]
+pub(crate) fn leave() -> *const Header {
+    CURRENT.with(|c| {
+        let h = c.get();
+        // SAFETY: a non-null CURRENT is the header of a fiber that a runner
+        // on this thread keeps alive.
+        if let Some(hr) = unsafe { h.as_ref() } {
+            c.set(hr.prev_current.load(Ordering::Relaxed));
+        }
+        h
+    })
+}
+
+#[cold]
+fn assign_thread_id(t: &Cell<u64>) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    t.set(id);
+    // First fiber run on this thread: make sure a stack overflow can be
+    // reported here.
+    crate::overflow::ensure_altstack();
+    id
 }
 
 /// Identity of the fiber running on this thread.
@@ -149,22 +181,37 @@ pub fn in_fiber() -> bool {
 /// [`RunOutcome::Yielded`]: crate::RunOutcome::Yielded
 #[inline]
 pub fn yield_value(value: usize) {
-    let h = current_header();
+    let h = leave();
     if h.is_null() {
         std::thread::yield_now();
         return;
     }
-    // SAFETY: see `current`.
-    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
-    assert!(
-        !yielder.is_null(),
-        "spindle_fiber: yield from a fiber whose function is not running"
-    );
+    let yielder = yielder_of(h);
     // SAFETY: the yielder was stored by this fiber's own function when it
     // started and lives at the root of this fiber's stack, which is the
     // stack we are running on.
     unsafe { (*yielder).suspend(Msg::Yield(value)) };
-    // No thread-local is touched after the switch (see module docs).
+    // No thread-local is touched after the switch (see module docs); the
+    // runner made the fiber current again before resuming it.
+}
+
+/// The yielder of the fiber that called [`leave`] (`h`, not null).
+#[inline]
+fn yielder_of(h: *const Header) -> *const Yielder {
+    // SAFETY: `h` is the running fiber's header (see `current`).
+    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    if yielder.is_null() {
+        no_yielder(h);
+    }
+    yielder
+}
+
+#[cold]
+#[inline(never)]
+fn no_yielder(h: *const Header) -> ! {
+    // Undo `leave`: the panic unwinds on this fiber.
+    swap_current(h);
+    panic!("spindle_fiber: suspension of a fiber whose function is not running")
 }
 
 /// Suspends the current fiber so that whoever runs it can run others; the
@@ -308,21 +355,17 @@ pub fn sleep() {
 /// location, which [`Fiber::wait_site`](crate::Fiber::wait_site) reports.
 #[track_caller]
 pub fn sleep_on(reason: &'static WaitReason) {
-    let h = current_header();
+    let h = leave();
     assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");
     // SAFETY: as in `yield_value`.
-    let h = unsafe { &*h };
-    h.wait_reason
+    let hr = unsafe { &*h };
+    hr.wait_reason
         .store(reason as *const WaitReason as *mut WaitReason, Ordering::Release);
-    h.wait_location.store(
+    hr.wait_location.store(
         Location::caller() as *const Location<'static> as *mut _,
         Ordering::Release,
     );
-    let yielder = h.yielder.load(Ordering::Relaxed) as *const Yielder;
-    assert!(
-        !yielder.is_null(),
-        "spindle_fiber: sleep from a fiber whose function is not running"
-    );
+    let yielder = yielder_of(h);
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(Msg::Sleep) };
 }

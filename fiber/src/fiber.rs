@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
 
-use crate::current::{swap_current, thread_id};
+use crate::current::{current_header, enter, swap_current, thread_id};
 use crate::error::FiberError;
 use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
 use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
@@ -288,6 +288,7 @@ impl<T: Send + 'static> Fiber<T> {
             sched_data: AtomicUsize::new(0),
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
+            prev_current: AtomicPtr::new(std::ptr::null_mut()),
         };
         let inner = Arc::new(Inner {
             header,
@@ -372,7 +373,11 @@ impl<T: Send + 'static> Fiber<T> {
             // needs no landing pad around the switch. A forced unwind (a
             // suspended fiber being dropped) is caught here too and ends the
             // function like a return, which is what corosensei expects.
-            catch_unwind(AssertUnwindSafe(f))
+            let result = catch_unwind(AssertUnwindSafe(f));
+            // Switching out for the last time: give the thread back its
+            // previous current fiber.
+            crate::current::leave();
+            result
         });
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
@@ -389,15 +394,85 @@ impl<T: Send + 'static> Fiber<T> {
     /// Nesting is supported: a fiber may run another fiber; the inner one
     /// suspends back into the outer one, and [`current`](crate::current) is
     /// right on both sides.
+    ///
+    /// Any handle may call `run`; a compare-and-swap on the fiber's state
+    /// makes sure only one caller runs it at a time. A caller that owns the
+    /// only handle can use [`run_mut`](Fiber::run_mut), which skips it.
+    #[inline]
     pub fn run(&self) -> Result<RunOutcome<T>, FiberError> {
         let h = self.header();
         if let Err(found) = h.state.transition(FiberState::Ready, FiberState::Running) {
             return Err(self.run_error(found));
         }
+        // SAFETY: we moved the state from `Ready` to `Running`.
+        unsafe { self.resume_claimed() }
+    }
+
+    /// The same as [`run`](Fiber::run), but faster when this handle is the
+    /// only reference to the fiber (no clone, no [`Waiter`](crate::Waiter),
+    /// not in a queue): `&mut self` and a reference count of one prove that
+    /// nobody else can touch the fiber, so claiming it is a plain load and
+    /// store instead of a compare-and-swap. With other references alive it
+    /// simply calls `run`.
+    ///
+    /// This is the loop of a caller that drives its own fibers by hand:
+    ///
+    /// ```
+    /// use spindle_fiber::{yield_value, Fiber, FiberAttr, Priority, RunOutcome};
+    ///
+    /// let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || { yield_value(7); 8 }).unwrap();
+    /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Yielded(7)));
+    /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Returned(8)));
+    /// ```
+    #[inline]
+    pub fn run_mut(&mut self) -> Result<RunOutcome<T>, FiberError> {
+        if !self.is_unique() {
+            return self.run();
+        }
+        let h = self.header();
+        match h.state.load() {
+            FiberState::Ready => h.state.store(FiberState::Running),
+            found => return Err(self.run_error(found)),
+        }
+        // SAFETY: the state was `Ready` and no one else can reach it.
+        unsafe { self.resume_claimed() }
+    }
+
+    /// Whether this is the only reference to the fiber. With `&mut self`,
+    /// no other thread can make a new one meanwhile.
+    #[inline]
+    fn is_unique(&mut self) -> bool {
+        // SAFETY: we own one strong reference; ManuallyDrop keeps it ours.
+        let arc = ManuallyDrop::new(unsafe { Arc::from_raw(self.inner.as_ptr() as *const Inner<T>) });
+        // No `Weak` is ever made, so one strong count means exclusive.
+        if Arc::strong_count(&arc) != 1 {
+            return false;
+        }
+        // Pairs with the Release decrement of whoever dropped the last other
+        // reference: everything it did to the fiber happens before what we
+        // do next (the count is read Relaxed).
+        std::sync::atomic::fence(Ordering::Acquire);
+        true
+    }
+
+    /// Switches into a claimed fiber and handles why it came back.
+    ///
+    /// # Safety
+    /// The caller moved the state from `Ready` to `Running`.
+    #[inline(always)]
+    unsafe fn resume_claimed(&self) -> Result<RunOutcome<T>, FiberError> {
+        let h = self.header();
         // SAFETY: we hold the state `Running`.
         let slot = unsafe { self.slot() };
-        let me = thread_id();
-        if slot.pinned_to != 0 && !slot.migratable && slot.pinned_to != me {
+        // One thread-local call before the switch: make this fiber current,
+        // learn this thread's id. (No thread-local access is inlined here:
+        // `run` may itself be called on a fiber that moves between threads.)
+        // The fiber gives the thread back its previous current fiber as it
+        // switches out (`current::leave`).
+        let me = enter(h);
+        if slot.pinned_to != me && slot.pinned_to != 0 && !slot.migratable {
+            swap_current(h.prev_current.load(Ordering::Relaxed));
             h.state.store(FiberState::Ready);
             return Err(FiberError::WrongThread(h.id));
         }
@@ -412,9 +487,7 @@ impl<T: Send + 'static> Fiber<T> {
         }
         let coro = slot.coro.as_mut().expect("a Ready fiber has a function");
 
-        let prev = swap_current(h);
         let result = coro.resume(());
-        swap_current(prev);
 
         Ok(match result {
             CoroutineResult::Yield(Msg::Yield(v)) => {
@@ -678,6 +751,8 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
     // No `Weak` is ever made, so a strong count of one means exclusive
     // access (checked without `get_mut`'s extra compare-and-swap).
     if Arc::strong_count(&arc) == 1 {
+        // See `is_unique`.
+        std::sync::atomic::fence(Ordering::Acquire);
         // SAFETY: we hold the only reference: nobody else can reach the slot.
         let slot = unsafe { &mut *arc.slot.get() };
         let pool = slot.pool;
@@ -686,10 +761,15 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
         if unwind_here {
             let mut coro = slot.coro.take().expect("checked above");
             // Unwind with CURRENT naming this fiber, so that code in
-            // destructors sees where it runs.
-            let prev = swap_current(&arc.header);
+            // destructors sees where it runs; the unwind ends at the fiber's
+            // root, which gives the thread its current fiber back.
+            let h: *const Header = &arc.header;
+            enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-            swap_current(prev);
+            if current_header() == h {
+                // The unwind did not reach the root.
+                swap_current(arc.header.prev_current.load(Ordering::Relaxed));
+            }
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {

@@ -154,6 +154,10 @@ pub(crate) struct Header {
     /// by the fiber itself when its function starts, read only by the fiber
     /// itself (in `yield_now`/`sleep`).
     pub(crate) yielder: AtomicPtr<()>,
+    /// What was current on the runner's thread before it switched into
+    /// this fiber; written by the runner (`current::enter`), read by the
+    /// fiber as it switches out (`current::leave`), on the same thread.
+    pub(crate) prev_current: AtomicPtr<Header>,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
     pub(crate) counters: Counters,

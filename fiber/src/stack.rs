@@ -38,6 +38,8 @@ pub(crate) fn page_size() -> usize {
 pub struct FiberStack {
     map: MmapMut,
     usable: usize,
+    /// Top of the usable region (read on every switch into the fiber).
+    base: usize,
 }
 
 // SAFETY: the mapping is owned memory with no thread affinity.
@@ -61,7 +63,8 @@ impl FiberStack {
         if rc != 0 {
             return Err(StackError::from_map_error(total, std::io::Error::last_os_error()));
         }
-        Ok(FiberStack { map, usable })
+        let base = map.as_ptr() as usize + page + usable;
+        Ok(FiberStack { map, usable, base })
     }
 
     /// Usable bytes (excluding the guard page).
@@ -104,11 +107,14 @@ pub(crate) fn checked_size(requested: usize) -> Result<usize, StackError> {
 // the region [limit, base) is mapped read-write for the stack's lifetime
 // and the limit sits directly above a PROT_NONE guard page.
 unsafe impl Stack for FiberStack {
+    #[inline]
     fn base(&self) -> StackPointer {
-        let (_, high) = self.usable_range();
-        StackPointer::new(high).expect("mapping is never at address zero")
+        // SAFETY: the top of a mapping is never address zero.
+        unsafe { StackPointer::new_unchecked(self.base) }
     }
 
+    /// The lowest address, guard page included (as the trait asks).
+    #[inline]
     fn limit(&self) -> StackPointer {
         StackPointer::new(self.map.as_ptr() as usize).expect("mapping is never at address zero")
     }

@@ -95,6 +95,7 @@ impl StateCell {
         StateCell(AtomicU8::new(s as u8))
     }
 
+    #[inline]
     pub fn load(&self) -> FiberState {
         FiberState::from_u8(self.0.load(Ordering::Acquire))
     }
@@ -154,6 +155,7 @@ impl StateCell {
 
     /// Runner, after a yield: `Running`/`RunningWoken` → `Ready`. A wake that
     /// arrived for a fiber which then yielded instead of sleeping is void.
+    #[inline]
     pub fn transition_to_yielded(&self) {
         self.store(FiberState::Ready);
     }

@@ -297,3 +297,47 @@ fn stack_size_is_rounded_up_to_whole_pages() {
         assert!(odd.stack_size() < 64 * 1024 + 1 + page);
     });
 }
+
+#[test]
+fn run_mut_drives_a_uniquely_owned_fiber_like_run() {
+    with_watchdog(30, "run_mut", || {
+        let mut fiber = Fiber::new(FiberAttr::new().name("owned")).unwrap();
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        let mut seen = Vec::new();
+        loop {
+            assert!(current().is_none());
+            match fiber.run_mut().unwrap() {
+                RunOutcome::Yielded(v) => {
+                    assert_eq!(fiber.state(), FiberState::Ready);
+                    assert!(!in_fiber(), "the thread is not left inside the fiber");
+                    seen.push(v)
+                }
+                RunOutcome::Returned(v) => {
+                    seen.push(v);
+                    break;
+                }
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        assert_eq!(seen, (0..=10).collect::<Vec<_>>());
+        assert!(matches!(fiber.run_mut(), Err(FiberError::Finished(_))));
+        assert_eq!(fiber.stats().runs, 11);
+        assert_eq!(fiber.stats().yields, 10);
+    });
+}
+
+#[test]
+fn run_mut_with_other_handles_alive_takes_the_shared_path() {
+    with_watchdog(30, "run_mut_shared", || {
+        let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let other = fiber.clone();
+        fiber.set_function(Priority::NORMAL, count_to_ten).unwrap();
+        assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Yielded(0)));
+        // The clone sees the same fiber and may run it too.
+        assert!(matches!(other.run().unwrap(), RunOutcome::Yielded(1)));
+        drop(other);
+        assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Yielded(2)));
+        let mut empty = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        assert!(matches!(empty.run_mut(), Err(FiberError::NoFunction(_))));
+    });
+}

@@ -231,3 +231,44 @@ fn dropping_a_suspended_inner_fiber_inside_the_outer_one_unwinds_it() {
         assert_eq!(current_id(), None);
     });
 }
+
+#[test]
+fn the_outer_fiber_stays_current_through_yields_after_dropping_a_suspended_inner_one() {
+    with_watchdog(30, "nested_drop_yield", || {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let outer = Fiber::new(FiberAttr::new().name("outer")).unwrap();
+        let outer_id = outer.id();
+        let log = seen.clone();
+        outer
+            .set_function(Priority::NORMAL, move || {
+                let inner = Fiber::<()>::new(FiberAttr::new().name("inner")).unwrap();
+                let log2 = log.clone();
+                inner
+                    .set_function(Priority::NORMAL, move || {
+                        struct LogsInDrop(Arc<std::sync::Mutex<Vec<Option<FiberId>>>>);
+                        impl Drop for LogsInDrop {
+                            fn drop(&mut self) {
+                                self.0.lock().unwrap().push(current_id());
+                            }
+                        }
+                        let _guard = LogsInDrop(log2);
+                        yield_value(1);
+                        unreachable!("the inner fiber is dropped, not resumed");
+                    })
+                    .unwrap();
+                let inner_id = inner.id();
+                assert!(matches!(inner.run().unwrap(), RunOutcome::Yielded(1)));
+                drop(inner);
+                assert_eq!(current_id(), Some(outer_id), "outer after dropping inner");
+                spindle_fiber::yield_now();
+                assert_eq!(current_id(), Some(outer_id), "outer after its own yield");
+                inner_id
+            })
+            .unwrap();
+        assert!(matches!(outer.run().unwrap(), RunOutcome::Yielded(0)));
+        assert_eq!(current_id(), None, "the thread is not left inside a fiber");
+        let inner_id = outer.run().unwrap().unwrap_returned();
+        assert_eq!(current_id(), None);
+        assert_eq!(*seen.lock().unwrap(), vec![Some(inner_id)]);
+    });
+}

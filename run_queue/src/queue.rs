@@ -335,8 +335,9 @@ impl<T: Send + 'static> RunQueue<T> {
 
     /// Runs a fiber popped from this queue until it suspends, pushing it
     /// back if it yielded (see [`run_next`](RunQueue::run_next)).
-    pub fn run_popped(&self, fiber: Fiber<T>) -> Ran<T> {
-        let outcome = fiber.run();
+    pub fn run_popped(&self, mut fiber: Fiber<T>) -> Ran<T> {
+        // Usually the queue held the only reference: no atomic claim.
+        let outcome = fiber.run_mut();
         if let Ok(RunOutcome::Yielded(_)) = outcome {
             self.requeue(&fiber);
         }
