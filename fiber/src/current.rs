@@ -346,6 +346,7 @@ impl std::fmt::Debug for Waiter {
 ///
 /// [`RunOutcome::Slept`]: crate::RunOutcome::Slept
 #[track_caller]
+#[inline]
 pub fn sleep() {
     static UNSPECIFIED: WaitReason = WaitReason("a waiter");
     sleep_on(&UNSPECIFIED)
@@ -354,6 +355,7 @@ pub fn sleep() {
 /// Like [`sleep`], recording what the fiber waits on and the caller's
 /// location, which [`Fiber::wait_site`](crate::Fiber::wait_site) reports.
 #[track_caller]
+#[inline]
 pub fn sleep_on(reason: &'static WaitReason) {
     let h = leave();
     assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");

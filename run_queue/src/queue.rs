@@ -328,6 +328,7 @@ impl<T: Send + 'static> RunQueue<T> {
     /// fiber that yielded is pushed back (behind its equals) before this
     /// returns; one that slept belongs to whatever it sleeps on. `None` if
     /// the queue was empty.
+    #[inline]
     pub fn run_next(&self) -> Option<Ran<T>> {
         let fiber = self.try_pop()?;
         Some(self.run_popped(fiber))
@@ -335,6 +336,7 @@ impl<T: Send + 'static> RunQueue<T> {
 
     /// Runs a fiber popped from this queue until it suspends, pushing it
     /// back if it yielded (see [`run_next`](RunQueue::run_next)).
+    #[inline]
     pub fn run_popped(&self, mut fiber: Fiber<T>) -> Ran<T> {
         // Usually the queue held the only reference: no atomic claim.
         let outcome = fiber.run_mut();

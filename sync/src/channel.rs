@@ -157,6 +157,7 @@ impl RawChannel {
 
     /// Takes the oldest message, waiting for one if the channel is empty.
     #[track_caller]
+    #[inline]
     pub fn pop(&self) -> NonNull<MsgHeader> {
         let mut synced = self.synced.lock();
         if let Some(m) = synced.pop_message() {
@@ -336,6 +337,7 @@ impl<T> Channel<T> {
     /// (and is pushed back on its run queue when a message arrives), a
     /// thread parks.
     #[track_caller]
+    #[inline]
     pub fn pop(&self) -> Msg<T> {
         // SAFETY: only Msg<T> headers are pushed on this channel.
         unsafe { Msg::from_header(self.raw.pop()) }

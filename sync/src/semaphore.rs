@@ -57,6 +57,7 @@ impl Semaphore {
     /// Takes a token, waiting for one if there is none: a fiber sleeps, a
     /// thread parks.
     #[track_caller]
+    #[inline]
     pub fn acquire(&self) {
         self.acquire_inner(None)
     }
@@ -64,11 +65,13 @@ impl Semaphore {
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
     /// woken at `priority`.
     #[track_caller]
+    #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {
         self.acquire_inner(Some(priority))
     }
 
     #[track_caller]
+    #[inline]
     fn acquire_inner(&self, priority: Option<Priority>) {
         let mut synced = self.synced.lock();
         if synced.tokens > 0 {

@@ -172,6 +172,7 @@ impl Wakeup {
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
 /// a waker hands it a value, and returns that value.
 #[track_caller]
+#[inline]
 pub(crate) fn wait<S>(
     mut guard: MutexGuard<'_, S>,
     list: impl FnOnce(&mut S) -> &mut WaitList,
