@@ -57,6 +57,7 @@ where
 /// Lets other fibers run; the caller goes to the back of its worker's
 /// queue for its priority class. On an ordinary thread, yields the thread.
 /// A cancelled fiber unwinds here.
+#[inline]
 pub fn yield_now() {
     spindle_fiber::yield_now();
     // A cancel that came before the yield is seen here too.

@@ -190,6 +190,8 @@ impl Worker {
         me.inbox.len.fetch_sub(moved, Ordering::AcqRel);
     }
 
+    // Inlined: no call frame of ours stays live across the switch (DESIGN.md).
+    #[inline]
     fn run_one(&mut self, next: Next) {
         let mut fiber = match next {
             Next::Resumed(t) => t,
