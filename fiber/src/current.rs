@@ -23,7 +23,7 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::fiber::{Msg, Yielder};
+use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
 use crate::Priority;
 
@@ -190,7 +190,7 @@ pub fn yield_value(value: usize) {
     // SAFETY: the yielder was stored by this fiber's own function when it
     // started and lives at the root of this fiber's stack, which is the
     // stack we are running on.
-    unsafe { (*yielder).suspend(Msg::Yield(value)) };
+    unsafe { (*yielder).suspend(value) };
     // No thread-local is touched after the switch (see module docs); the
     // runner made the fiber current again before resuming it.
 }
@@ -368,8 +368,9 @@ pub fn sleep_on(reason: &'static WaitReason) {
         Ordering::Release,
     );
     let yielder = yielder_of(h);
+    hr.sleep_request.store(true, Ordering::Relaxed);
     // SAFETY: as in `yield_value`.
-    unsafe { (*yielder).suspend(Msg::Sleep) };
+    unsafe { (*yielder).suspend(0) };
 }
 
 /// The scheduler word of the fiber running on this thread (see

@@ -9,7 +9,7 @@ use std::mem::ManuallyDrop;
 use std::panic::Location;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
@@ -21,16 +21,13 @@ use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
 use crate::state::{FiberState, SleepTransition, StateCell};
 use crate::Priority;
 
-/// Why a fiber switched back to its runner (internal).
-pub(crate) enum Msg {
-    Yield(usize),
-    Sleep,
-}
-
-pub(crate) type Yielder = corosensei::Yielder<(), Msg>;
+/// What a fiber hands its runner when it suspends: the yielded value. A
+/// sleep is told apart by the header's `sleep_request` flag, so the value
+/// fits in a register across the switch.
+pub(crate) type Yielder = corosensei::Yielder<(), usize>;
 /// The coroutine returns the function's value, or the payload of a panic
 /// caught at the fiber's root.
-type Coro<T> = Coroutine<(), Msg, std::thread::Result<T>, FiberStack>;
+type Coro<T> = Coroutine<(), usize, std::thread::Result<T>, FiberStack>;
 
 /// Creation attributes of a fiber.
 ///
@@ -289,6 +286,7 @@ impl<T: Send + 'static> Fiber<T> {
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             prev_current: AtomicPtr::new(std::ptr::null_mut()),
+            sleep_request: AtomicBool::new(false),
         };
         let inner = Arc::new(Inner {
             header,
@@ -490,12 +488,14 @@ impl<T: Send + 'static> Fiber<T> {
         let result = coro.resume(());
 
         Ok(match result {
-            CoroutineResult::Yield(Msg::Yield(v)) => {
+            CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
                 Counters::bump(&h.counters.yields);
                 h.state.transition_to_yielded();
                 RunOutcome::Yielded(v)
             }
-            CoroutineResult::Yield(Msg::Sleep) => {
+            CoroutineResult::Yield(_) => {
+                // Set by `sleep_on` on this thread just before the switch.
+                h.sleep_request.store(false, Ordering::Relaxed);
                 Counters::bump(&h.counters.sleeps);
                 match h.state.transition_to_sleeping() {
                     SleepTransition::Asleep => {}

@@ -6,7 +6,7 @@ use std::fmt;
 use std::num::NonZeroU64;
 use std::panic::Location;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::state::StateCell;
@@ -158,6 +158,9 @@ pub(crate) struct Header {
     /// this fiber; written by the runner (`current::enter`), read by the
     /// fiber as it switches out (`current::leave`), on the same thread.
     pub(crate) prev_current: AtomicPtr<Header>,
+    /// Set by the fiber just before it switches out to sleep, read and
+    /// cleared by its runner just after (same thread).
+    pub(crate) sleep_request: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
     pub(crate) counters: Counters,
