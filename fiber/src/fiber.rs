@@ -380,6 +380,7 @@ impl<T: Send + 'static> Fiber<T> {
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
+        h.sleep_request.store(false, Ordering::Relaxed);
         slot.migratable = migratable;
         slot.pinned_to = 0;
         h.priority.store(priority.0, Ordering::Relaxed);
