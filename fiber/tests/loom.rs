@@ -547,3 +547,87 @@ fn wake_before_link() {
         assert!(sleeps < ROUNDS, "round 1 took the banked token");
     });
 }
+
+/// `Fiber::run_mut`'s claim (DESIGN.md, "Claiming a fiber to run it"),
+/// mirrored: a handle count, the real state word and the fiber's slot.
+///
+/// Another thread holds a second handle; it runs the fiber once through
+/// the shared path (compare-and-swap claim), writes the slot, publishes
+/// `Ready` and drops its handle (Release decrement, as `Arc` does). This
+/// thread holds the other handle with `&mut` and runs the fiber through
+/// `run_mut`: a Relaxed load of the count, and if it is one, an Acquire
+/// fence and a plain load + store of the state, otherwise the shared path.
+/// loom reports a race on the slot if the unique path can see a count of
+/// one without everything the other handle's owner did being visible.
+fn unique_claim_model(fence: bool) {
+    struct Shared {
+        handles: AtomicUsize,
+        state: StateCell,
+        slot: UnsafeCell<usize>,
+    }
+    fn run_shared(s: &Shared) -> bool {
+        if s.state
+            .transition(FiberState::Ready, FiberState::Running)
+            .is_err()
+        {
+            return false;
+        }
+        s.slot.with_mut(|v| unsafe { *v += 1 });
+        s.state.store(FiberState::Ready);
+        true
+    }
+    let s = Arc::new(Shared {
+        handles: AtomicUsize::new(2),
+        state: StateCell::new(FiberState::Ready),
+        slot: UnsafeCell::new(0),
+    });
+    let other = {
+        let s = s.clone();
+        thread::spawn(move || {
+            let ran = run_shared(&s);
+            s.handles.fetch_sub(1, Ordering::Release);
+            ran
+        })
+    };
+    // run_mut, twice: once perhaps before the other handle is gone, once
+    // after it certainly is (join).
+    let run_mut = |s: &Shared| {
+        if s.handles.load(Ordering::Relaxed) == 1 {
+            if fence {
+                loom::sync::atomic::fence(Ordering::Acquire);
+            }
+            assert_eq!(
+                s.state.load(),
+                FiberState::Ready,
+                "a unique handle finds the fiber Ready"
+            );
+            s.state.store(FiberState::Running);
+            s.slot.with_mut(|v| unsafe { *v += 1 });
+            s.state.store(FiberState::Ready);
+            true
+        } else {
+            run_shared(s)
+        }
+    };
+    let first = run_mut(&s);
+    let other_ran = other.join().unwrap();
+    // After the join the count is certainly one, but the join already
+    // orders everything: the second run exercises the unique path without
+    // proving anything about the fence.
+    let ran = [first, other_ran].iter().filter(|&&r| r).count();
+    let total = s.slot.with(|v| unsafe { *v });
+    assert_eq!(total, ran, "every successful run ran alone");
+}
+
+#[test]
+fn run_mut_unique_claim() {
+    model(|| unique_claim_model(true));
+}
+
+/// Without the fence the model must fail: this proves the model can see
+/// the race the fence prevents.
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn run_mut_unique_claim_without_fence_is_caught() {
+    model(|| unique_claim_model(false));
+}
