@@ -32,6 +32,36 @@ thread_local! {
     static CURRENT: Cell<*const Header> = const { Cell::new(ptr::null()) };
     /// This thread's id for pinning and migration counting; 0 = unassigned.
     static THREAD_ID: Cell<u64> = const { Cell::new(0) };
+    /// The fiber that last switched out on this thread, as plain values:
+    /// between its `leave` and the switch it still runs on its own stack
+    /// while `CURRENT` already names the previous fiber, and the stack
+    /// overflow handler must still recognise its guard page.
+    static LEAVING: Cell<Leaving> = const { Cell::new(Leaving::NONE) };
+}
+
+/// What the overflow handler needs of a fiber that is switching out. Plain
+/// values, not a pointer: the fiber may be gone by the time anyone reads
+/// them.
+#[derive(Clone, Copy)]
+pub(crate) struct Leaving {
+    pub(crate) guard: (usize, usize),
+    pub(crate) id: u64,
+    pub(crate) stack_size: usize,
+}
+
+impl Leaving {
+    const NONE: Leaving = Leaving {
+        guard: (0, 0),
+        id: 0,
+        stack_size: 0,
+    };
+}
+
+/// The fiber that last switched out on this thread (see `LEAVING`).
+/// Async-signal-safe: a plain thread-local read.
+#[inline(never)]
+pub(crate) fn leaving() -> Leaving {
+    LEAVING.with(|l| l.get())
 }
 
 /// Replaces the current fiber pointer, returning the previous one.
@@ -80,6 +110,13 @@ pub(crate) fn leave() -> *const Header {
         // SAFETY: a non-null CURRENT is the header of a fiber that a runner
         // on this thread keeps alive.
         if let Some(hr) = unsafe { h.as_ref() } {
+            LEAVING.with(|l| {
+                l.set(Leaving {
+                    guard: hr.guard,
+                    id: hr.id.as_u64(),
+                    stack_size: hr.stack_size,
+                })
+            });
             c.set(hr.prev_current.load(Ordering::Relaxed));
         }
         h

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
 
-use crate::current::{current_header, enter, swap_current, thread_id};
+use crate::current::{enter, swap_current, thread_id};
 use crate::error::FiberError;
 use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
 use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
@@ -464,6 +464,14 @@ impl<T: Send + 'static> Fiber<T> {
         let h = self.header();
         // SAFETY: we hold the state `Running`.
         let slot = unsafe { self.slot() };
+        if slot.coro.is_none() {
+            // Only a fiber whose suspended function was unwound while a
+            // destructor kept a reference to it gets here (see `release`):
+            // its function is over.
+            h.state.store(FiberState::Finished);
+            return Err(FiberError::Finished(h.id));
+        }
+        // Everything that can fail is checked before `enter`, or undoes it.
         // One thread-local call before the switch: make this fiber current,
         // learn this thread's id. (No thread-local access is inlined here:
         // `run` may itself be called on a fiber that moves between threads.)
@@ -762,22 +770,27 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
         if unwind_here {
             let mut coro = slot.coro.take().expect("checked above");
             // Unwind with CURRENT naming this fiber, so that code in
-            // destructors sees where it runs; the unwind ends at the fiber's
-            // root, which gives the thread its current fiber back.
+            // destructors sees where it runs. Code that catches the forced
+            // unwind may suspend again (corosensei then restarts the unwind
+            // without a runner's `enter`): while it unwinds, every `leave`
+            // of this fiber must keep it current, so its "previous" is
+            // itself; the real previous one is put back here afterwards.
             let h: *const Header = &arc.header;
             enter(&arc.header);
+            let prev = arc.header.prev_current.swap(h as *mut Header, Ordering::Relaxed);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-            if current_header() == h {
-                // The unwind did not reach the root.
-                swap_current(arc.header.prev_current.load(Ordering::Relaxed));
-            }
+            swap_current(prev);
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {
                     Some(inner) => inner.slot.get_mut().stack = Some(stack),
                     // A destructor kept a reference: the fiber lives on
-                    // without a function; its stack goes back to the pool.
-                    None => pool.give(stack),
+                    // without a function (`run` finds it finished); its
+                    // stack goes back to the pool.
+                    None => {
+                        arc.header.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
+                        pool.give(stack)
+                    }
                 }
             } else {
                 let _ = ManuallyDrop::new(coro);

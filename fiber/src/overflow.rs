@@ -21,7 +21,7 @@ use std::mem::MaybeUninit;
 use std::ptr;
 use std::sync::Once;
 
-use crate::current::current_header;
+use crate::current::{current_header, leaving};
 
 static mut PREVIOUS: [MaybeUninit<libc::sigaction>; 2] = [MaybeUninit::uninit(), MaybeUninit::uninit()];
 static INSTALL: Once = Once::new();
@@ -79,6 +79,27 @@ pub(crate) fn ensure_altstack() {
     }
 }
 
+/// Prints the overflow report and aborts.
+fn report(name: Option<&str>, id: u64, stack_size: usize) -> ! {
+    let mut buf = Buf::new();
+    buf.push(b"\nfiber ");
+    if let Some(name) = name {
+        buf.push(b"'");
+        buf.push(name.as_bytes());
+        buf.push(b"' ");
+    }
+    buf.push(b"(#");
+    buf.push_num(id);
+    buf.push(b") has overflowed its stack (");
+    buf.push_num(stack_size as u64);
+    buf.push(b" bytes)\nfatal runtime error: stack overflow in a fiber, aborting\n");
+    // SAFETY: write(2) and abort(3) are async-signal-safe.
+    unsafe {
+        libc::write(2, buf.bytes.as_ptr() as *const libc::c_void, buf.len);
+        libc::abort()
+    }
+}
+
 extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
@@ -88,24 +109,14 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     if let Some(h) = unsafe { h.as_ref() } {
         let (lo, hi) = h.guard;
         if addr >= lo && addr < hi {
-            let mut buf = Buf::new();
-            buf.push(b"\nfiber ");
-            if let Some(name) = &h.name {
-                buf.push(b"'");
-                buf.push(name.as_bytes());
-                buf.push(b"' ");
-            }
-            buf.push(b"(#");
-            buf.push_num(h.id.as_u64());
-            buf.push(b") has overflowed its stack (");
-            buf.push_num(h.stack_size as u64);
-            buf.push(b" bytes)\nfatal runtime error: stack overflow in a fiber, aborting\n");
-            // SAFETY: write(2) and abort(3) are async-signal-safe.
-            unsafe {
-                libc::write(2, buf.bytes.as_ptr() as *const libc::c_void, buf.len);
-                libc::abort();
-            }
+            report(h.name.as_deref(), h.id.as_u64(), h.stack_size);
         }
+    }
+    // A fiber between `leave` and its switch out: CURRENT already names the
+    // previous fiber, but it still runs on its own stack.
+    let l = leaving();
+    if addr >= l.guard.0 && addr < l.guard.1 {
+        report(None, l.id, l.stack_size);
     }
     chain(sig, info, ctx);
 }

@@ -312,3 +312,138 @@ fn a_yield_in_the_drop_of_an_unstarted_function_is_harmless() {
         describe(&out)
     );
 }
+
+/// A fiber whose code catches the forced unwind around a suspension and
+/// then suspends again (as a loop that catches its jobs' panics would):
+/// corosensei restarts the unwind from there, without a runner. It logs
+/// what `current()` says in its destructor.
+fn catches_the_unwind_and_suspends_again(log: Arc<Mutex<Vec<Option<FiberId>>>>) -> Fiber<()> {
+    let fiber = Fiber::<()>::new(FiberAttr::new().name("stubborn")).unwrap();
+    fiber
+        .set_function(Priority::NORMAL, move || {
+            struct Logs(Arc<Mutex<Vec<Option<FiberId>>>>);
+            impl Drop for Logs {
+                fn drop(&mut self) {
+                    self.0.lock().unwrap().push(current().map(|c| c.id()));
+                }
+            }
+            let _logs = Logs(log);
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| yield_value(1)));
+            drop(caught);
+            yield_now();
+        })
+        .unwrap();
+    fiber
+}
+
+#[test]
+fn a_fiber_that_suspends_during_its_forced_unwind_stays_current_until_it_is_gone() {
+    with_watchdog(30, "suspend_during_unwind", || {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fiber = catches_the_unwind_and_suspends_again(log.clone());
+        let id = fiber.id();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+        drop(fiber);
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec![Some(id)],
+            "the destructor ran once, inside the fiber"
+        );
+        assert!(current().is_none(), "the thread is not left inside the fiber");
+    });
+}
+
+#[test]
+fn the_outer_fiber_stays_current_after_dropping_an_inner_one_that_suspends_while_unwinding() {
+    with_watchdog(30, "suspend_during_unwind_nested", || {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let outer = Fiber::new(FiberAttr::new().name("outer")).unwrap();
+        let outer_id = outer.id();
+        let l = log.clone();
+        outer
+            .set_function(Priority::NORMAL, move || {
+                let inner = catches_the_unwind_and_suspends_again(l);
+                assert!(matches!(inner.run().unwrap(), RunOutcome::Yielded(1)));
+                drop(inner);
+                let seen = (current().map(|c| c.id()), Waiter::current().is_some());
+                yield_value(42); // must suspend the outer fiber
+                seen
+            })
+            .unwrap();
+        assert!(matches!(outer.run().unwrap(), RunOutcome::Yielded(42)));
+        let (seen, has_waiter) = outer.run().unwrap().unwrap_returned();
+        assert_eq!(seen, Some(outer_id));
+        assert!(has_waiter);
+        assert!(current().is_none());
+    });
+}
+
+#[test]
+fn suspensions_during_a_forced_unwind_never_reach_the_outer_fiber() {
+    with_watchdog(30, "suspend_twice_during_unwind", || {
+        let outer = Fiber::<&'static str>::new(FiberAttr::new().name("outer")).unwrap();
+        outer
+            .set_function(Priority::NORMAL, || {
+                let inner = Fiber::<()>::new(FiberAttr::new().name("inner")).unwrap();
+                inner
+                    .set_function(Priority::NORMAL, || {
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| yield_value(1)));
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| yield_value(2)));
+                        yield_value(3);
+                    })
+                    .unwrap();
+                assert!(matches!(inner.run().unwrap(), RunOutcome::Yielded(1)));
+                drop(inner);
+                "returned"
+            })
+            .unwrap();
+        assert!(matches!(outer.run(), Ok(RunOutcome::Returned("returned"))));
+    });
+}
+
+#[test]
+fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_run() {
+    use spindle_fiber::{sleep, FiberError, FiberState, Schedule};
+    static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
+    struct Home(Mutex<Vec<Fiber<()>>>);
+    impl Schedule<()> for Home {
+        fn schedule(&self, fiber: Fiber<()>) {
+            self.0.lock().unwrap().push(fiber);
+        }
+    }
+    with_watchdog(30, "zombie_waiter", || {
+        let home = Arc::new(Home(Mutex::new(Vec::new())));
+        let home_dyn: Arc<dyn Schedule<()>> = home.clone();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("zombie")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                struct Keep;
+                impl Drop for Keep {
+                    fn drop(&mut self) {
+                        *STASH.lock().unwrap() = Waiter::current();
+                    }
+                }
+                let _keep = Keep;
+                sleep();
+            })
+            .unwrap();
+        fiber.mark_queued(Some(&home_dyn)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        drop(fiber); // unwound here; the destructor keeps a waiter
+        let waiter = STASH
+            .lock()
+            .unwrap()
+            .take()
+            .expect("the destructor kept a waiter");
+        waiter.wake();
+        let fiber = home.0.lock().unwrap().pop().expect("the wake scheduled it");
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
+        assert_eq!(fiber.state(), FiberState::Finished);
+        assert!(
+            current().is_none(),
+            "the failed run left the thread outside any fiber"
+        );
+    });
+}

@@ -175,3 +175,76 @@ fn a_thread_stack_overflow_still_gets_rusts_own_report() {
     );
     assert!(!stderr.contains("in a fiber"), "not mistaken for a fiber:\n{all}");
 }
+
+/// Runs `yield_now` with the stack pointer `off` bytes above the lowest
+/// usable address: the fiber has used all but `off` bytes of its stack, so
+/// the library's own suspension code (after the fiber stopped being
+/// current, before the switch) is what overflows.
+#[cfg(target_arch = "x86_64")]
+fn yield_near_the_guard(low: usize, off: usize) {
+    extern "C" fn do_yield() {
+        spindle_fiber::yield_now();
+    }
+    let new_sp = (low + off) & !15;
+    // SAFETY: the new stack pointer lies inside this fiber's own mapped
+    // stack (or its guard page, which is the point); the callee follows the
+    // C ABI and r12 (callee-saved, declared clobbered) restores our rsp.
+    unsafe {
+        std::arch::asm!(
+            "mov r12, rsp",
+            "mov rsp, {sp}",
+            "call {f}",
+            "mov rsp, r12",
+            sp = in(reg) new_sp,
+            f = sym do_yield,
+            out("r12") _,
+            clobber_abi("C"),
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+const EDGE_CHILD: &str = "an_overflow_in_the_last_frames_before_a_switch_is_reported";
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn an_overflow_in_the_last_frames_before_a_switch_is_reported() {
+    const SIZE: usize = 64 * 1024;
+    if is_child(EDGE_CHILD) {
+        no_core_dumps();
+        let off: usize = common::child_arg().parse().expect("an offset");
+        static POOL: spindle_fiber::StackPool = spindle_fiber::StackPool::new(1);
+        let stack = POOL.take(SIZE).unwrap();
+        let (low, _) = stack.usable_range();
+        POOL.give(stack);
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("edge").pool(&POOL).stack_size(SIZE)).unwrap();
+        eprintln!("child fiber: {} {}", fiber.id(), fiber.stack_size());
+        fiber
+            .set_function(Priority::NORMAL, move || yield_near_the_guard(low, off))
+            .unwrap();
+        let _ = fiber.run();
+        let _ = fiber.run();
+        return;
+    }
+    let mut unreported = Vec::new();
+    for off in (0..1024).step_by(8) {
+        let out = common::run_child_with(EDGE_CHILD, 60, &off.to_string());
+        match out.status.signal() {
+            None => {}
+            Some(libc::SIGABRT) => {
+                let (id, size) = child_fiber(&out);
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let named = format!("fiber 'edge' ({id}) has overflowed its stack ({size} bytes)");
+                let unnamed = format!("fiber ({id}) has overflowed its stack ({size} bytes)");
+                if !stderr.contains(&named) && !stderr.contains(&unnamed) {
+                    unreported.push((off, describe(&out)));
+                }
+            }
+            Some(_) => unreported.push((off, describe(&out))),
+        }
+    }
+    assert!(
+        unreported.is_empty(),
+        "overflows not reported as a fiber overflow: {unreported:#?}"
+    );
+}

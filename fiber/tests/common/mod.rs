@@ -45,6 +45,14 @@ where
 /// act as the child.
 pub const CHILD_ENV: &str = "SPINDLE_FIBER_TEST_CHILD";
 
+/// Environment variable carrying [`run_child_with`]'s argument.
+pub const CHILD_ARG_ENV: &str = "SPINDLE_FIBER_TEST_CHILD_ARG";
+
+/// The argument given to this child by [`run_child_with`].
+pub fn child_arg() -> String {
+    std::env::var(CHILD_ARG_ENV).unwrap_or_default()
+}
+
 /// Whether this process is the child started by [`run_child`] for `test`.
 pub fn is_child(test: &str) -> bool {
     std::env::var(CHILD_ENV).is_ok_and(|v| v == test)
@@ -54,10 +62,16 @@ pub fn is_child(test: &str) -> bool {
 /// no output capture) and [`CHILD_ENV`] set to `test`, and returns its
 /// output. Kills the child and fails if it runs longer than `secs` seconds.
 pub fn run_child(test: &str, secs: u64) -> Output {
+    run_child_with(test, secs, "")
+}
+
+/// [`run_child`], passing `arg` to the child in [`CHILD_ARG_ENV`].
+pub fn run_child_with(test: &str, secs: u64, arg: &str) -> Output {
     let exe = std::env::current_exe().expect("locating the test binary");
     let child = Command::new(exe)
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, test)
+        .env(CHILD_ARG_ENV, arg)
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
