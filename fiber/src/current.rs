@@ -32,36 +32,6 @@ thread_local! {
     static CURRENT: Cell<*const Header> = const { Cell::new(ptr::null()) };
     /// This thread's id for pinning and migration counting; 0 = unassigned.
     static THREAD_ID: Cell<u64> = const { Cell::new(0) };
-    /// The fiber that last switched out on this thread, as plain values:
-    /// between its `leave` and the switch it still runs on its own stack
-    /// while `CURRENT` already names the previous fiber, and the stack
-    /// overflow handler must still recognise its guard page.
-    static LEAVING: Cell<Leaving> = const { Cell::new(Leaving::NONE) };
-}
-
-/// What the overflow handler needs of a fiber that is switching out. Plain
-/// values, not a pointer: the fiber may be gone by the time anyone reads
-/// them.
-#[derive(Clone, Copy)]
-pub(crate) struct Leaving {
-    pub(crate) guard: (usize, usize),
-    pub(crate) id: u64,
-    pub(crate) stack_size: usize,
-}
-
-impl Leaving {
-    const NONE: Leaving = Leaving {
-        guard: (0, 0),
-        id: 0,
-        stack_size: 0,
-    };
-}
-
-/// The fiber that last switched out on this thread (see `LEAVING`).
-/// Async-signal-safe: a plain thread-local read.
-#[inline(never)]
-pub(crate) fn leaving() -> Leaving {
-    LEAVING.with(|l| l.get())
 }
 
 /// Replaces the current fiber pointer, returning the previous one.
@@ -110,17 +80,49 @@ pub(crate) fn leave() -> *const Header {
         // SAFETY: a non-null CURRENT is the header of a fiber that a runner
         // on this thread keeps alive.
         if let Some(hr) = unsafe { h.as_ref() } {
-            LEAVING.with(|l| {
-                l.set(Leaving {
-                    guard: hr.guard,
-                    id: hr.id.as_u64(),
-                    stack_size: hr.stack_size,
-                })
-            });
+            probe_stack();
             c.set(hr.prev_current.load(Ordering::Relaxed));
         }
         h
     })
+}
+
+/// Headroom a suspension needs below `leave`'s frame: what the code between
+/// `leave` and the stack switch (the switch's own pushes; more frames in
+/// an unoptimised build) may use.
+const SWITCH_HEADROOM: usize = 512;
+
+/// Touches the fiber's stack `SWITCH_HEADROOM` bytes below the current
+/// frame, so that a stack about to overflow in the last frames before the
+/// switch faults here, while `CURRENT` still names the fiber and the
+/// overflow handler can report it, instead of just after `leave` gave the
+/// thread its previous fiber back. A read: nothing is changed.
+#[inline(always)]
+fn probe_stack() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: reads one byte of this fiber's own stack mapping below the
+    // stack pointer (mapped, or the guard page, which is the point); the
+    // value is discarded.
+    unsafe {
+        std::arch::asm!(
+            "mov {tmp:l}, byte ptr [rsp - {off}]",
+            tmp = out(reg) _,
+            off = const SWITCH_HEADROOM,
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above.
+    unsafe {
+        std::arch::asm!(
+            "sub {addr}, sp, #{off}",
+            "ldrb {tmp:w}, [{addr}]",
+            addr = out(reg) _,
+            tmp = out(reg) _,
+            off = const SWITCH_HEADROOM,
+            options(nostack, readonly, preserves_flags)
+        );
+    }
 }
 
 #[cold]

@@ -21,7 +21,7 @@ use std::mem::MaybeUninit;
 use std::ptr;
 use std::sync::Once;
 
-use crate::current::{current_header, leaving};
+use crate::current::current_header;
 
 static mut PREVIOUS: [MaybeUninit<libc::sigaction>; 2] = [MaybeUninit::uninit(), MaybeUninit::uninit()];
 static INSTALL: Once = Once::new();
@@ -111,12 +111,6 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
         if addr >= lo && addr < hi {
             report(h.name.as_deref(), h.id.as_u64(), h.stack_size);
         }
-    }
-    // A fiber between `leave` and its switch out: CURRENT already names the
-    // previous fiber, but it still runs on its own stack.
-    let l = leaving();
-    if addr >= l.guard.0 && addr < l.guard.1 {
-        report(None, l.id, l.stack_size);
     }
     chain(sig, info, ctx);
 }
