@@ -1,5 +1,7 @@
-//! The current fiber: a thread-local pointer set by `run` around the stack
-//! switch, and the free functions a fiber calls on itself.
+//! The current fiber: a thread-local pointer that the runner sets just
+//! before switching into a fiber ([`enter`]) and the fiber puts back just
+//! before switching out ([`leave`]), and the free functions a fiber calls
+//! on itself.
 //!
 //! # Thread-local access across stack switches
 //!
@@ -12,10 +14,11 @@
 //! * every access to [`CURRENT`] and [`THREAD_ID`] goes through a small
 //!   `#[inline(never)]` function that does not suspend, so the address is
 //!   computed afresh on each call, on the thread that makes it;
-//! * the suspension functions ([`yield_value`], [`sleep`]) read the
-//!   thread-local once, *before* switching, and touch no thread-local after
-//!   the switch returns; the runner (on its own stack, on its own thread)
-//!   restores [`CURRENT`].
+//! * the suspension functions ([`yield_value`], [`sleep`]) make one such
+//!   call ([`leave`]: read the current fiber, put back the previous one)
+//!   *before* switching, and touch no thread-local after the switch
+//!   returns; the runner makes one ([`enter`]) before resuming the fiber, on
+//!   its own stack and thread.
 
 use std::cell::Cell;
 use std::panic::Location;
