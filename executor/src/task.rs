@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use spindle_fiber::{FiberId, Waiter};
 use spindle_sync::Semaphore;
 
-/// Why [`JoinHandle::join`] did not return the fiber's value.
+/// Why [`JoinHandle::join`](crate::JoinHandle::join) did not return the fiber's value.
 pub enum JoinError {
     /// The fiber panicked.
     Panicked {
@@ -25,7 +25,7 @@ pub enum JoinError {
         /// The panic payload.
         payload: Box<dyn Any + Send>,
     },
-    /// The fiber was cancelled ([`JoinHandle::cancel`] or executor shutdown)
+    /// The fiber was cancelled ([`JoinHandle::cancel`](crate::JoinHandle::cancel) or executor shutdown)
     /// and unwound.
     Cancelled {
         /// The fiber, if it had started.
