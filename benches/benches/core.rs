@@ -58,12 +58,13 @@ fn tokio_current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().build().unwrap()
 }
 
-/// Runs every fiber of `queue` on this thread until the queue is empty.
-/// Two fresh fibers for a hand-driven pair (pooled stacks: no mapping).
+/// Two fresh fibers for a pair that runs through a queue (pooled stacks:
+/// no mapping).
 fn two_fibers() -> (Fiber<u64>, Fiber<u64>) {
     (Fiber::new(FiberAttr::new()).unwrap(), Fiber::new(FiberAttr::new()).unwrap())
 }
 
+/// Runs every fiber of `queue` on this thread until the queue is empty.
 fn drain(queue: &RunQueue<u64>) -> u64 {
     let mut result = 0;
     while let Some(ran) = queue.run_next() {

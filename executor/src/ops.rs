@@ -66,7 +66,7 @@ pub fn yield_now() {
 
 /// Yields if the calling fiber has run past its time slice (10 ms by
 /// default, flagged by sysmon). Costs a thread-local read and a relaxed
-/// load otherwise: call it in long loops.
+/// swap otherwise: call it in long loops.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
         if w.me().hot.preempt.swap(false, Ordering::Relaxed) {

@@ -37,7 +37,7 @@ pub(crate) struct WorkerCtx {
     /// Local FIFO deques of fresh jobs, one per class; others steal through
     /// `WorkerShared::stealers`. `crossbeam_deque::Worker` is used through
     /// `&self` on its own thread only: by the loop, and by fibers of this
-    /// worker spawning (the loop is suspended in `run` meanwhile).
+    /// worker spawning (the loop is suspended in `run_mut` meanwhile).
     pub(crate) locals: [Deque<Job>; CLASSES],
 }
 

@@ -83,13 +83,15 @@ impl std::error::Error for StackError {
     }
 }
 
-/// Why a fiber operation was refused. The fiber is left as it was.
+/// Why a fiber operation was refused. The fiber is left as it was (except
+/// that `run` marks a fiber whose function was unwound on drop `Finished`).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum FiberError {
     /// `run` on a fiber that has no function.
     NoFunction(FiberId),
-    /// `run` on a fiber whose function already returned (or panicked).
+    /// `run` on a fiber whose function already returned, panicked, or was
+    /// unwound when the fiber was dropped.
     Finished(FiberId),
     /// `set_function` on a fiber suspended in the middle of its function.
     Busy(FiberId),

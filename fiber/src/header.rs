@@ -156,10 +156,13 @@ pub(crate) struct Header {
     pub(crate) yielder: AtomicPtr<()>,
     /// What was current on the runner's thread before it switched into
     /// this fiber; written by the runner (`current::enter`), read by the
-    /// fiber as it switches out (`current::leave`), on the same thread.
+    /// fiber as it switches out (`current::leave`), on the same thread
+    /// (also set to the fiber itself by `release` while it unwinds the
+    /// fiber).
     pub(crate) prev_current: AtomicPtr<Header>,
     /// Set by the fiber just before it switches out to sleep, read and
-    /// cleared by its runner just after (same thread).
+    /// cleared by its runner just after (same thread); cleared by
+    /// `set_function`.
     pub(crate) sleep_request: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,

@@ -14,10 +14,14 @@
 //! ```
 //!
 //! `Locked` is a short exclusive state taken by whoever rewrites the fiber's
-//! slot (`set_function`) or decides where a woken fiber goes (`wake`).
+//! slot (`set_function`, `mark_queued`, `set_home`) or decides where a woken
+//! fiber goes (a waker, or the runner finishing a deferred wake).
 //! Whoever moved the state out of `Ready`, `Sleeping`, `Empty` or `Finished`
 //! owns the fiber's slot until it stores the next state (Release); the next
 //! owner's successful CAS (Acquire) sees everything the previous one wrote.
+//! `Fiber::run_mut` claims `Ready` → `Running` without a CAS: its `&mut`
+//! handle is the only reference, and an Acquire fence after reading the
+//! count orders it after the previous owner's Release.
 
 use crate::loom::sync::atomic::{AtomicU8, Ordering};
 

@@ -589,8 +589,7 @@ fn unique_claim_model(fence: bool) {
             ran
         })
     };
-    // run_mut, twice: once perhaps before the other handle is gone, once
-    // after it certainly is (join).
+    // run_mut, once, racing the other handle's run and drop.
     let run_mut = |s: &Shared| {
         if s.handles.load(Ordering::Relaxed) == 1 {
             if fence {
@@ -611,9 +610,8 @@ fn unique_claim_model(fence: bool) {
     };
     let first = run_mut(&s);
     let other_ran = other.join().unwrap();
-    // After the join the count is certainly one, but the join already
-    // orders everything: the second run exercises the unique path without
-    // proving anything about the fence.
+    // Each successful run incremented the slot once, and no two overlapped
+    // (loom checks the `UnsafeCell` accesses).
     let ran = [first, other_ran].iter().filter(|&&r| r).count();
     let total = s.slot.with(|v| unsafe { *v });
     assert_eq!(total, ran, "every successful run ran alone");

@@ -207,7 +207,7 @@ impl<T> std::error::Error for PushError<T> {}
 pub struct Ran<T> {
     /// The fiber (already back in the queue if it yielded).
     pub fiber: Fiber<T>,
-    /// What `run` returned.
+    /// What running it returned (`Fiber::run_mut`).
     pub outcome: Result<RunOutcome<T>, FiberError>,
 }
 

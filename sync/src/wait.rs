@@ -24,9 +24,10 @@
 //!    write the handed-over value into it; set `done` (Release): this is
 //!    the waker's last touch of the node, which may vanish right after;
 //! 2. unlock;
-//! 3. wake: for a fiber, [`Waiter::wake`] moves `Sleeping` → `Queued` on its
-//!    run queue, or `Running` → `RunningWoken` when the sleeper is between
-//!    its steps 3 and 4 (its runner then queues it); for a thread, unpark.
+//! 3. wake: for a fiber, [`Waiter::wake`] moves `Sleeping` → `Locked` →
+//!    `Queued` on its run queue (`Ready` if it has none), or `Running` →
+//!    `RunningWoken` when the sleeper is between its steps 3 and 4 (its
+//!    runner then queues it); for a thread, unpark.
 //!
 //! The value and the unlinking happen under the lock, so each sleeper gets
 //! exactly one value and a node is never on a list twice; the state machine
