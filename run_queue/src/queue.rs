@@ -310,12 +310,16 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// A poll by an idle popper: skips the lock while the queue looks
-    /// empty, and does not count empty polls.
+    /// empty, does not wait for it while someone else holds it (a pusher
+    /// is likely mid-push: the next poll sees its fiber, and waiting would
+    /// enter the mutex's slow path, which yields the thread), and does not
+    /// count empty polls. The parking step after the polls takes the lock
+    /// for real, so a fiber missed here is not missed there.
     fn try_pop_quiet(&self) -> Option<Fiber<T>> {
         if self.shared.len_hint.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let mut synced = self.shared.synced.lock();
+        let mut synced = self.shared.synced.try_lock()?;
         if synced.heap.is_empty() {
             return None;
         }
@@ -494,6 +498,10 @@ mod sync {
 
         pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
             MutexGuard(Some(self.0.lock().expect("run queue lock poisoned")))
+        }
+
+        pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+            self.0.try_lock().ok().map(|g| MutexGuard(Some(g)))
         }
     }
 
