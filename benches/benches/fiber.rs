@@ -31,16 +31,22 @@ use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome, DEFAULT_S
 /// The default fiber stack size, used for every peer that takes a size.
 const STACK: usize = DEFAULT_STACK_SIZE;
 
+/// A fiber whose function yields forever.
+fn yielding_fiber() -> Fiber<()> {
+    let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    fiber
+        .set_function(Priority::NORMAL, || loop {
+            yield_now();
+        })
+        .unwrap();
+    fiber
+}
+
 fn run_yield_round_trip(c: &mut Criterion) {
     let mut g = c.benchmark_group("run_yield_round_trip");
 
     g.bench_function("spindle", |b| {
-        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        fiber
-            .set_function(Priority::NORMAL, || loop {
-                yield_now();
-            })
-            .unwrap();
+        let fiber = yielding_fiber();
         b.iter(|| match fiber.run() {
             Ok(RunOutcome::Yielded(v)) => black_box(v),
             other => panic!("expected a yield, got {other:?}"),
@@ -49,12 +55,7 @@ fn run_yield_round_trip(c: &mut Criterion) {
 
     // A uniquely owned fiber driven through `run_mut` (no atomic claim).
     g.bench_function("spindle_run_mut", |b| {
-        let mut fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        fiber
-            .set_function(Priority::NORMAL, || loop {
-                yield_now();
-            })
-            .unwrap();
+        let mut fiber = yielding_fiber();
         b.iter(|| match fiber.run_mut() {
             Ok(RunOutcome::Yielded(v)) => black_box(v),
             other => panic!("expected a yield, got {other:?}"),

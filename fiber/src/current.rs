@@ -53,10 +53,16 @@ pub(crate) fn current_header() -> *const Header {
 /// A process-unique id of the calling thread (never reused, never 0).
 #[inline(never)]
 pub(crate) fn thread_id() -> u64 {
-    THREAD_ID.with(|t| match t.get() {
+    THREAD_ID.with(this_thread)
+}
+
+/// The id in `THREAD_ID`, assigned on first use.
+#[inline(always)]
+fn this_thread(t: &Cell<u64>) -> u64 {
+    match t.get() {
         0 => assign_thread_id(t),
         id => id,
-    })
+    }
 }
 
 /// Runner side, just before switching into `h`: makes `h` the current
@@ -67,10 +73,7 @@ pub(crate) fn thread_id() -> u64 {
 pub(crate) fn enter(h: &Header) -> u64 {
     let prev = CURRENT.with(|c| c.replace(h));
     h.prev_current.store(prev as *mut Header, Ordering::Relaxed);
-    THREAD_ID.with(|t| match t.get() {
-        0 => assign_thread_id(t),
-        id => id,
-    })
+    THREAD_ID.with(this_thread)
 }
 
 /// Fiber side, just before switching out (yield, sleep, return): gives the

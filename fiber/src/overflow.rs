@@ -22,6 +22,7 @@ use std::ptr;
 use std::sync::Once;
 
 use crate::current::current_header;
+use crate::header::Header;
 
 static mut PREVIOUS: [MaybeUninit<libc::sigaction>; 2] = [MaybeUninit::uninit(), MaybeUninit::uninit()];
 static INSTALL: Once = Once::new();
@@ -79,19 +80,19 @@ pub(crate) fn ensure_altstack() {
     }
 }
 
-/// Prints the overflow report and aborts.
-fn report(name: Option<&str>, id: u64, stack_size: usize) -> ! {
+/// Prints the overflow report of fiber `h` and aborts.
+fn report(h: &Header) -> ! {
     let mut buf = Buf::new();
     buf.push(b"\nfiber ");
-    if let Some(name) = name {
+    if let Some(name) = &h.name {
         buf.push(b"'");
         buf.push(name.as_bytes());
         buf.push(b"' ");
     }
     buf.push(b"(#");
-    buf.push_num(id);
+    buf.push_num(h.id.as_u64());
     buf.push(b") has overflowed its stack (");
-    buf.push_num(stack_size as u64);
+    buf.push_num(h.stack_size as u64);
     buf.push(b" bytes)\nfatal runtime error: stack overflow in a fiber, aborting\n");
     // SAFETY: write(2) and abort(3) are async-signal-safe.
     unsafe {
@@ -109,7 +110,7 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     if let Some(h) = unsafe { h.as_ref() } {
         let (lo, hi) = h.guard;
         if addr >= lo && addr < hi {
-            report(h.name.as_deref(), h.id.as_u64(), h.stack_size);
+            report(h);
         }
     }
     chain(sig, info, ctx);
