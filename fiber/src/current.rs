@@ -1,132 +1,66 @@
 //! The current fiber: a thread-local pointer that the runner sets just
-//! before switching into a fiber ([`enter`]) and the fiber puts back just
-//! before switching out ([`leave`]), and the free functions a fiber calls
+//! before switching into a fiber and puts back just after the fiber
+//! switches out ([`enter`], [`exit`]), and the free functions a fiber calls
 //! on itself.
 //!
 //! # Thread-local access across stack switches
 //!
-//! A fiber may suspend on one thread and resume on another. LLVM may cache
-//! the address of a thread-local across a call inside one function
-//! (llvm/llvm-project#98479), so a function that reads a thread-local,
-//! suspends, and reads it again could read the *old* thread's slot. The
-//! library's own lookups are immune by construction:
-//!
-//! * every access to [`CURRENT`] and [`THREAD_ID`] goes through a small
-//!   `#[inline(never)]` function that does not suspend, so the address is
-//!   computed afresh on each call, on the thread that makes it;
-//! * the suspension functions ([`yield_value`], [`sleep`]) make one such
-//!   call ([`leave`]: read the current fiber, put back the previous one)
-//!   *before* switching, and touch no thread-local after the switch
-//!   returns; the runner makes one ([`enter`]) before resuming the fiber, on
-//!   its own stack and thread.
+//! A fiber may suspend on one thread and resume on another, and LLVM may
+//! cache the address of a thread-local across a call within one function
+//! (llvm/llvm-project#98479). Every access to the current-fiber word goes
+//! through [`crate::tls`], whose reads and writes cannot be cached (see
+//! there), so the library's own lookups are immune whichever function they
+//! are inlined into. Besides, only the runner writes the word, and it does
+//! so on its own stack, where it cannot change threads: the fiber side only
+//! reads it.
 
-use std::cell::Cell;
 use std::panic::Location;
-use std::ptr::{self, NonNull};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
+use crate::tls;
 use crate::Priority;
 
-thread_local! {
-    /// The fiber running on this thread, or null.
-    static CURRENT: Cell<*const Header> = const { Cell::new(ptr::null()) };
-    /// This thread's id for pinning and migration counting; 0 = unassigned.
-    static THREAD_ID: Cell<u64> = const { Cell::new(0) };
-}
-
-/// Replaces the current fiber pointer, returning the previous one.
-#[inline(never)]
-pub(crate) fn swap_current(h: *const Header) -> *const Header {
-    CURRENT.with(|c| c.replace(h))
-}
-
 /// The current fiber's header, or null. Usable from a signal handler: a
-/// const-initialised thread-local without destructor is a plain TLS read.
-#[inline(never)]
+/// plain thread-local read.
+#[inline(always)]
 pub(crate) fn current_header() -> *const Header {
-    CURRENT.with(|c| c.get())
+    tls::current()
 }
 
 /// A process-unique id of the calling thread (never reused, never 0).
-#[inline(never)]
-pub(crate) fn thread_id() -> u64 {
-    THREAD_ID.with(this_thread)
-}
-
-/// The id in `THREAD_ID`, assigned on first use.
 #[inline(always)]
-fn this_thread(t: &Cell<u64>) -> u64 {
-    match t.get() {
-        0 => assign_thread_id(t),
+pub(crate) fn thread_id() -> u64 {
+    match tls::thread_id_word() {
+        0 => assign_thread_id(),
         id => id,
     }
 }
 
 /// Runner side, just before switching into `h`: makes `h` the current
-/// fiber, remembering what was current for [`leave`] to restore when the
-/// fiber switches out. Returns this thread's id. One call for everything
-/// `run` needs from thread-locals.
-#[inline(never)]
-pub(crate) fn enter(h: &Header) -> u64 {
-    let prev = CURRENT.with(|c| c.replace(h));
-    h.prev_current.store(prev as *mut Header, Ordering::Relaxed);
-    THREAD_ID.with(this_thread)
-}
-
-/// Fiber side, just before switching out (yield, sleep, return): gives the
-/// thread back its previous current fiber (see [`enter`]) and returns the
-/// one that is switching out, or null on an ordinary thread.
-#[inline(never)]
-pub(crate) fn leave() -> *const Header {
-    CURRENT.with(|c| {
-        let h = c.get();
-        // SAFETY: a non-null CURRENT is the header of a fiber that a runner
-        // on this thread keeps alive.
-        if let Some(hr) = unsafe { h.as_ref() } {
-            probe_stack();
-            c.set(hr.prev_current.load(Ordering::Relaxed));
-        }
-        h
-    })
-}
-
-/// Headroom a suspension needs below `leave`'s frame: what the code between
-/// `leave` and the stack switch (the switch's own pushes; more frames in
-/// an unoptimised build) may use.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const SWITCH_HEADROOM: usize = 512;
-
-/// Touches the fiber's stack `SWITCH_HEADROOM` bytes below the current
-/// frame, so that a stack about to overflow in the last frames before the
-/// switch faults here, while `CURRENT` still names the fiber and the
-/// overflow handler can report it, instead of just after `leave` gave the
-/// thread its previous fiber back. A read: nothing is changed. (x86-64
-/// only, the architecture this crate is tested on; elsewhere an overflow in
-/// those last frames is a plain SIGSEGV.)
+/// fiber. Returns the fiber that was current (for [`exit`]) and this
+/// thread's id.
 #[inline(always)]
-fn probe_stack() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: reads one byte of this fiber's own stack mapping below the
-    // stack pointer (mapped, or the guard page, which is the point); the
-    // value is discarded.
-    unsafe {
-        std::arch::asm!(
-            "mov {tmp:l}, byte ptr [rsp - {off}]",
-            tmp = out(reg) _,
-            off = const SWITCH_HEADROOM,
-            options(nostack, readonly, preserves_flags)
-        );
-    }
+pub(crate) fn enter(h: &Header) -> (*const Header, u64) {
+    (tls::swap_current(h), thread_id())
+}
+
+/// Runner side, once the fiber has switched out (yield, sleep, return,
+/// panic): gives the thread back the fiber that [`enter`] found current.
+#[inline(always)]
+pub(crate) fn exit(prev: *const Header) {
+    tls::set_current(prev)
 }
 
 #[cold]
-fn assign_thread_id(t: &Cell<u64>) -> u64 {
+#[inline(never)]
+fn assign_thread_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    t.set(id);
+    tls::set_thread_id(id);
     // First fiber run on this thread: make sure a stack overflow can be
     // reported here.
     crate::overflow::ensure_altstack();
@@ -217,7 +151,7 @@ pub fn in_fiber() -> bool {
 /// [`RunOutcome::Yielded`]: crate::RunOutcome::Yielded
 #[inline]
 pub fn yield_value(value: usize) {
-    let h = leave();
+    let h = current_header();
     if h.is_null() {
         std::thread::yield_now();
         return;
@@ -227,26 +161,22 @@ pub fn yield_value(value: usize) {
     // started and lives at the root of this fiber's stack, which is the
     // stack we are running on.
     unsafe { (*yielder).suspend(value) };
-    // No thread-local is touched after the switch (see module docs); the
-    // runner made the fiber current again before resuming it.
 }
 
-/// The yielder of the fiber that called [`leave`] (`h`, not null).
+/// The yielder of the running fiber (`h`, not null).
 #[inline]
 fn yielder_of(h: *const Header) -> *const Yielder {
     // SAFETY: `h` is the running fiber's header (see `current`).
     let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
     if yielder.is_null() {
-        no_yielder(h);
+        no_yielder();
     }
     yielder
 }
 
 #[cold]
 #[inline(never)]
-fn no_yielder(h: *const Header) -> ! {
-    // Undo `leave`: the panic unwinds on this fiber.
-    swap_current(h);
+fn no_yielder() -> ! {
     panic!("spindle_fiber: suspension of a fiber whose function is not running")
 }
 
@@ -393,7 +323,7 @@ pub fn sleep() {
 #[track_caller]
 #[inline]
 pub fn sleep_on(reason: &'static WaitReason) {
-    let h = leave();
+    let h = current_header();
     assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");
     // SAFETY: as in `yield_value`.
     let hr = unsafe { &*h };

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
 
-use crate::current::{enter, swap_current, thread_id};
+use crate::current::{enter, exit, thread_id};
 use crate::error::FiberError;
 use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
 use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
@@ -138,8 +138,10 @@ pub enum RunOutcome<T> {
     /// on its run queue (or makes it `Ready` if it has none).
     Slept,
     /// The function panicked; the fiber may get a new function. Call
-    /// [`Panic::resume_unwind`] to propagate it.
-    Panicked(Panic),
+    /// [`Panic::resume_unwind`] to propagate it. (Boxed: a `RunOutcome`
+    /// stays small, and dropping one that is not a panic is a single test
+    /// the compiler can inline into the caller's loop.)
+    Panicked(Box<Panic>),
 }
 
 impl<T> RunOutcome<T> {
@@ -285,7 +287,6 @@ impl<T: Send + 'static> Fiber<T> {
             sched_data: AtomicUsize::new(0),
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
-            prev_current: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
         };
         let inner = Arc::new(Inner {
@@ -371,11 +372,7 @@ impl<T: Send + 'static> Fiber<T> {
             // needs no landing pad around the switch. A forced unwind (a
             // suspended fiber being dropped) is caught here too and ends the
             // function like a return, which is what corosensei expects.
-            let result = catch_unwind(AssertUnwindSafe(f));
-            // Switching out for the last time: give the thread back its
-            // previous current fiber.
-            crate::current::leave();
-            result
+            catch_unwind(AssertUnwindSafe(f))
         });
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
@@ -472,14 +469,11 @@ impl<T: Send + 'static> Fiber<T> {
             return Err(FiberError::Finished(h.id));
         }
         // Everything that can fail is checked before `enter`, or undoes it.
-        // One thread-local call before the switch: make this fiber current,
-        // learn this thread's id. (No thread-local access is inlined here:
-        // `run` may itself be called on a fiber that moves between threads.)
-        // The fiber gives the thread back its previous current fiber as it
-        // switches out (`current::leave`).
-        let me = enter(h);
+        // Make this fiber current and learn this thread's id; the thread
+        // gets its previous current fiber back when the fiber switches out.
+        let (prev, me) = enter(h);
         if slot.pinned_to != me && slot.pinned_to != 0 && !slot.migratable {
-            swap_current(h.prev_current.load(Ordering::Relaxed));
+            exit(prev);
             h.state.store(FiberState::Ready);
             return Err(FiberError::WrongThread(h.id));
         }
@@ -495,6 +489,8 @@ impl<T: Send + 'static> Fiber<T> {
         let coro = slot.coro.as_mut().expect("a Ready fiber has a function");
 
         let result = coro.resume(());
+        // Back on the runner's stack and thread, whatever the fiber did.
+        exit(prev);
 
         Ok(match result {
             CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
@@ -521,11 +517,11 @@ impl<T: Send + 'static> Fiber<T> {
             }
             CoroutineResult::Return(Err(payload)) => {
                 self.finish(slot);
-                RunOutcome::Panicked(Panic {
+                RunOutcome::Panicked(Box::new(Panic {
                     fiber: h.id,
                     name: h.name.clone(),
                     payload,
-                })
+                }))
             }
         })
     }
@@ -771,15 +767,12 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             let mut coro = slot.coro.take().expect("checked above");
             // Unwind with CURRENT naming this fiber, so that code in
             // destructors sees where it runs. Code that catches the forced
-            // unwind may suspend again (corosensei then restarts the unwind
-            // without a runner's `enter`): while it unwinds, every `leave`
-            // of this fiber must keep it current, so its "previous" is
-            // itself; the real previous one is put back here afterwards.
-            let h: *const Header = &arc.header;
-            enter(&arc.header);
-            let prev = arc.header.prev_current.swap(h as *mut Header, Ordering::Relaxed);
+            // unwind may suspend again (corosensei then restarts the
+            // unwind): the fiber side never writes CURRENT, so it stays
+            // right until the unwind is over.
+            let (prev, _) = enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-            swap_current(prev);
+            exit(prev);
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {

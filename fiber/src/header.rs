@@ -154,12 +154,6 @@ pub(crate) struct Header {
     /// by the fiber itself when its function starts, read only by the fiber
     /// itself (in `yield_now`/`sleep`).
     pub(crate) yielder: AtomicPtr<()>,
-    /// What was current on the runner's thread before it switched into
-    /// this fiber; written by the runner (`current::enter`), read by the
-    /// fiber as it switches out (`current::leave`), on the same thread
-    /// (also set to the fiber itself by `release` while it unwinds the
-    /// fiber).
-    pub(crate) prev_current: AtomicPtr<Header>,
     /// Set by the fiber just before it switches out to sleep, read and
     /// cleared by its runner just after (same thread); cleared by
     /// `set_function`.

@@ -52,6 +52,7 @@ mod overflow;
 mod report;
 mod stack;
 mod state;
+mod tls;
 
 pub use current::{
     current, current_id, current_sched_data, in_fiber, set_current_priority, sleep, sleep_on, yield_now,
