@@ -8,8 +8,9 @@
 //!
 //! * `run_yield_round_trip`: one `run` that comes back through `yield_now`,
 //!   against a raw corosensei `resume` that comes back through `suspend`
-//!   (both inlined into the loop), and the same corosensei switch made two
-//!   non-inlined calls deep on each side.
+//!   (both inlined into the loop), the same switch with a current-fiber
+//!   pointer behind out-of-line `thread_local!` calls, and the same switch
+//!   made two non-inlined calls deep on each side.
 //! * `create_run_return`: a new fiber (pooled 128 KiB stack), a function,
 //!   a `run` to its return and the drop, against corosensei on a fresh
 //!   `DefaultStack`, `std::thread::spawn`+`join`, `may::go!`+`join` (from
@@ -73,12 +74,12 @@ fn run_yield_round_trip(c: &mut Criterion) {
         });
     });
 
-    // The floor for any fiber that knows which fiber is current: the raw
-    // switch plus one non-inlined thread-local call on each side (set the
-    // current fiber before resuming; read it, and put back the previous
-    // one, before suspending). Spindle's run path makes exactly these two
-    // calls; they must stay out of line because a fiber may resume on
-    // another thread (llvm/llvm-project#98479).
+    // The raw switch plus a current-fiber pointer kept the portable way: a
+    // `thread_local!` behind one non-inlined call on each side (set it
+    // before resuming; read it, and put back the previous one, before
+    // suspending), out of line because a fiber may resume on another
+    // thread (llvm/llvm-project#98479). This is Spindle's fallback off
+    // x86-64 Linux; there, its accesses are inline asm instead (tls.rs).
     g.bench_function("corosensei_current_tls", |b| {
         thread_local! {
             static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };

@@ -10,9 +10,9 @@
 //! (llvm/llvm-project#98479). Every access to the current-fiber word goes
 //! through [`crate::tls`], whose reads and writes cannot be cached (see
 //! there), so the library's own lookups are immune whichever function they
-//! are inlined into. Besides, only the runner writes the word, and it does
-//! so on its own stack, where it cannot change threads: the fiber side only
-//! reads it.
+//! are inlined into. Besides, only the runner writes the word, just before
+//! the switch in and just after the switch back, and it cannot change
+//! threads in between: the fiber side only reads it.
 
 use std::panic::Location;
 use std::ptr::NonNull;
@@ -41,11 +41,10 @@ pub(crate) fn thread_id() -> u64 {
 }
 
 /// Runner side, just before switching into `h`: makes `h` the current
-/// fiber. Returns the fiber that was current (for [`exit`]) and this
-/// thread's id.
+/// fiber. Returns the fiber that was current, for [`exit`].
 #[inline(always)]
-pub(crate) fn enter(h: &Header) -> (*const Header, u64) {
-    (tls::swap_current(h), thread_id())
+pub(crate) fn enter(h: &Header) -> *const Header {
+    tls::swap_current(h)
 }
 
 /// Runner side, once the fiber has switched out (yield, sleep, return,
@@ -107,7 +106,7 @@ impl CurrentFiber {
 /// The fiber running on this thread, or `None` on an ordinary thread.
 pub fn current() -> Option<CurrentFiber> {
     let h = current_header();
-    // SAFETY: a non-null CURRENT points at the header of the fiber that
+    // SAFETY: a non-null current fiber is the header of the fiber that
     // `run` is running on this thread; `run` holds a reference to it.
     let h = unsafe { h.as_ref()? };
     Some(CurrentFiber {

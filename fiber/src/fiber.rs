@@ -361,7 +361,7 @@ impl<T: Send + 'static> Fiber<T> {
         }
         let stack = slot.stack.take().expect("an idle fiber keeps its stack");
         let coro = Coroutine::with_stack(stack, move |y: &Yielder, ()| {
-            // SAFETY: the runner set CURRENT to this fiber before resuming;
+            // SAFETY: the runner made this fiber current before resuming it;
             // this runs before the first suspension (see current.rs).
             unsafe {
                 (*crate::current::current_header())
@@ -461,23 +461,21 @@ impl<T: Send + 'static> Fiber<T> {
         let h = self.header();
         // SAFETY: we hold the state `Running`.
         let slot = unsafe { self.slot() };
-        if slot.coro.is_none() {
+        let Some(coro) = slot.coro.as_mut() else {
             // Only a fiber whose suspended function was unwound while a
             // destructor kept a reference to it gets here (see `release`):
             // its function is over.
             h.state.store(FiberState::Finished);
             return Err(FiberError::Finished(h.id));
+        };
+        let me = thread_id();
+        if slot.pinned_to != me {
+            if slot.pinned_to != 0 && !slot.migratable {
+                h.state.store(FiberState::Ready);
+                return Err(FiberError::WrongThread(h.id));
+            }
+            slot.pinned_to = me;
         }
-        // Everything that can fail is checked before `enter`, or undoes it.
-        // Make this fiber current and learn this thread's id; the thread
-        // gets its previous current fiber back when the fiber switches out.
-        let (prev, me) = enter(h);
-        if slot.pinned_to != me && slot.pinned_to != 0 && !slot.migratable {
-            exit(prev);
-            h.state.store(FiberState::Ready);
-            return Err(FiberError::WrongThread(h.id));
-        }
-        slot.pinned_to = me;
         Counters::bump(&h.counters.runs);
         let last = h.last_thread.load(Ordering::Relaxed);
         if last != me {
@@ -486,8 +484,10 @@ impl<T: Send + 'static> Fiber<T> {
             }
             h.last_thread.store(me, Ordering::Relaxed);
         }
-        let coro = slot.coro.as_mut().expect("a Ready fiber has a function");
-
+        // Nothing fails from here on. Make this fiber current; the thread
+        // gets its previous current fiber back as soon as the fiber has
+        // switched out.
+        let prev = enter(h);
         let result = coro.resume(());
         // Back on the runner's stack and thread, whatever the fiber did.
         exit(prev);
@@ -765,12 +765,12 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             && (slot.migratable || slot.pinned_to == thread_id());
         if unwind_here {
             let mut coro = slot.coro.take().expect("checked above");
-            // Unwind with CURRENT naming this fiber, so that code in
+            // Unwind with this fiber current, so that code in
             // destructors sees where it runs. Code that catches the forced
             // unwind may suspend again (corosensei then restarts the
-            // unwind): the fiber side never writes CURRENT, so it stays
+            // unwind): the fiber side never writes the current fiber, so it stays
             // right until the unwind is over.
-            let (prev, _) = enter(&arc.header);
+            let prev = enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
             exit(prev);
             if unwound.is_ok() && coro.done() {
@@ -800,7 +800,7 @@ impl<T> Drop for Inner<T> {
         if let Some(mut coro) = slot.coro.take() {
             if !coro.started() {
                 // Never ran: drop the closure (it is Send, so any thread
-                // will do). No CURRENT: the closure's destructor does not run
+                // will do). No current fiber: the closure's destructor does not run
                 // inside the fiber.
                 if catch_unwind(AssertUnwindSafe(|| coro.force_unwind())).is_ok() {
                     slot.stack = Some(coro.into_stack());

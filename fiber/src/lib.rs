@@ -66,6 +66,17 @@ pub use stack::{FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE
 pub use state::FiberState;
 
 #[doc(hidden)]
+pub mod __private {
+    //! Not part of the API.
+
+    /// Names the crate's thread-local symbols (see `tls.rs`); never called.
+    /// Public so that the compiler keeps its mangled name as it is in
+    /// every object file.
+    #[inline(never)]
+    pub fn tls_anchor() {}
+}
+
+#[doc(hidden)]
 pub mod __loom {
     //! The state machine, exposed for the loom model tests only.
     pub use crate::state::*;

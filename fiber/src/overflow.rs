@@ -105,7 +105,7 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
     let h = current_header();
-    // SAFETY: a non-null CURRENT is the header of the fiber running on this
+    // SAFETY: a non-null current fiber is the header of the fiber running on this
     // thread, kept alive by its runner; its fields read here are immutable.
     if let Some(h) = unsafe { h.as_ref() } {
         let (lo, hi) = h.guard;

@@ -26,7 +26,7 @@ pub(crate) fn install_panic_hook() {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             let h = crate::current::current_header();
-            // SAFETY: a non-null CURRENT is the fiber running on this thread.
+            // SAFETY: a non-null current fiber is the one running on this thread.
             if let Some(h) = unsafe { h.as_ref() } {
                 eprintln!("panic in fiber {}:", h.display_name());
             }

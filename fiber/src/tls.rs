@@ -14,15 +14,25 @@
 //!
 //! * **x86-64 Linux** (the fast one): the words live in the ELF TLS block,
 //!   declared in `global_asm!`, and every access is one inline `asm!` block
-//!   that loads the word's offset from the thread pointer (constant for the
-//!   process: the initial-exec model, `@GOTTPOFF`) and reads or writes
-//!   `fs:[offset]`. The thread pointer is read afresh by the instruction
-//!   itself, and the compiler may neither merge nor move an `asm!` block
-//!   that is not marked `pure`: nothing can be cached across a switch. The
-//!   accesses inline into the caller, which costs one load and no call.
-//!   Initial-exec TLS works in executables and in shared libraries loaded at
-//!   startup; a library `dlopen`ed later takes its 16 bytes from the static
-//!   TLS surplus that glibc and musl reserve for this.
+//!   that finds the word's offset from the thread pointer with a TLS
+//!   descriptor (`@TLSDESC`/`@TLSCALL`) and reads or writes `fs:[offset]`.
+//!   The thread pointer is read by that instruction on whatever thread runs
+//!   it, and the compiler may neither merge nor move an `asm!` block that is
+//!   not marked `pure`: nothing can be cached across a switch.
+//!   - In an executable the linker turns the descriptor call into a
+//!     constant (`mov rax, offset`), so an access is two instructions and
+//!     no call, inlined into the caller.
+//!   - In a shared object the descriptor call stays: the C library's
+//!     resolver returns the offset (a short call for objects loaded at
+//!     startup; for an object loaded later with `dlopen`, the dynamic TLS
+//!     path, which works everywhere, unlike the initial-exec model).
+//!   - The descriptor call clobbers only `rax` and the flags (the x86-64
+//!     TLS descriptor ABI, which compilers rely on as well).
+//!   - The symbols are named after a function of this crate
+//!     (`__private::tls_anchor`), whose mangled name is unique to each
+//!     build of the crate: two copies of the crate in one program never
+//!     share or clash. It is public (hidden from the docs) so that its
+//!     name is the same in every object file that inlines an access.
 //! * **Elsewhere** (and under loom): `thread_local!`, each access in a small
 //!   `#[inline(never)]` function that does not suspend, so the address is
 //!   computed on each call by the thread that makes it.
@@ -34,111 +44,116 @@ use crate::header::Header;
 
 pub(crate) use imp::{current, set_current, set_thread_id, thread_id_word};
 
-#[cfg(all(target_arch = "x86_64", target_os = "linux", not(loom), not(miri)))]
+#[cfg(all(
+    target_arch = "x86_64",
+    target_pointer_width = "64",
+    target_os = "linux",
+    not(loom),
+    not(miri)
+))]
 mod imp {
     use crate::header::Header;
 
-    /// A symbol name private to this version of the crate, so that two
-    /// versions linked into one program keep separate words.
-    macro_rules! tls_symbol {
-        ($word:literal) => {
-            concat!(
-                "spindle_fiber_",
-                env!("CARGO_PKG_VERSION_MAJOR"),
-                "_",
-                env!("CARGO_PKG_VERSION_MINOR"),
-                "_",
-                env!("CARGO_PKG_VERSION_PATCH"),
-                "_",
-                $word
-            )
-        };
-    }
+    use crate::__private::tls_anchor as anchor;
 
-    // Two zero-initialised words in the thread-local BSS. Hidden: each
-    // executable or shared object that links the crate has its own, as with
-    // `thread_local!`.
+    // Two zero-initialised words in the thread-local BSS. Global (inlined
+    // accesses in other crates' object files refer to them) but hidden:
+    // each executable or shared object that links the crate has its own,
+    // as with `thread_local!`.
     std::arch::global_asm!(
         ".pushsection .tbss,\"awT\",@nobits",
         ".p2align 3",
-        concat!(".globl ", tls_symbol!("current")),
-        concat!(".hidden ", tls_symbol!("current")),
-        concat!(tls_symbol!("current"), ":"),
+        ".globl {a}.current",
+        ".hidden {a}.current",
+        ".type {a}.current,@object",
+        ".size {a}.current,8",
+        "{a}.current:",
         ".zero 8",
-        concat!(".globl ", tls_symbol!("thread_id")),
-        concat!(".hidden ", tls_symbol!("thread_id")),
-        concat!(tls_symbol!("thread_id"), ":"),
+        ".globl {a}.thread_id",
+        ".hidden {a}.thread_id",
+        ".type {a}.thread_id,@object",
+        ".size {a}.thread_id,8",
+        "{a}.thread_id:",
         ".zero 8",
         ".popsection",
+        a = sym anchor,
     );
+
+    /// Reads one of the words: `$word` is `current` or `thread_id`.
+    macro_rules! tls_read {
+        ($word:literal) => {{
+            let v: usize;
+            // SAFETY: the descriptor call returns the word's offset from the
+            // thread pointer in rax (clobbering nothing else but the flags),
+            // and the load reads this thread's word. Not `pure`: never
+            // merged with another access or moved across a stack switch.
+            // Not `nostack`: the call pushes its return address.
+            unsafe {
+                std::arch::asm!(
+                    concat!("lea rax, [rip + {a}.", $word, "@TLSDESC]"),
+                    concat!("call qword ptr [rax + {a}.", $word, "@TLSCALL]"),
+                    "mov {v}, qword ptr fs:[rax]",
+                    a = sym anchor,
+                    v = lateout(reg) v,
+                    out("rax") _,
+                );
+            }
+            v
+        }};
+    }
+
+    /// Writes one of the words.
+    macro_rules! tls_write {
+        ($word:literal, $value:expr) => {{
+            let v: usize = $value;
+            // SAFETY: as in `tls_read`; writes this thread's word. `v` is an
+            // input that the asm reads after the call, which leaves every
+            // register but rax as it was (rax is declared clobbered, so `v`
+            // is never allocated to it).
+            unsafe {
+                std::arch::asm!(
+                    concat!("lea rax, [rip + {a}.", $word, "@TLSDESC]"),
+                    concat!("call qword ptr [rax + {a}.", $word, "@TLSCALL]"),
+                    "mov qword ptr fs:[rax], {v}",
+                    a = sym anchor,
+                    v = in(reg) v,
+                    out("rax") _,
+                );
+            }
+        }};
+    }
 
     /// The fiber running on this thread, or null.
     #[inline(always)]
     pub(crate) fn current() -> *const Header {
-        let h: *const Header;
-        // SAFETY: reads this thread's word (TLS offset from the GOT, then a
-        // load relative to the thread pointer). Not `pure`: never merged
-        // with another read or moved across a stack switch.
-        unsafe {
-            std::arch::asm!(
-                concat!("mov {off}, qword ptr [rip + ", tls_symbol!("current"), "@GOTTPOFF]"),
-                "mov {h}, qword ptr fs:[{off}]",
-                off = out(reg) _,
-                h = out(reg) h,
-                options(nostack, readonly, preserves_flags),
-            );
-        }
-        h
+        tls_read!("current") as *const Header
     }
 
     /// Makes `h` the fiber running on this thread (null: none).
     #[inline(always)]
     pub(crate) fn set_current(h: *const Header) {
-        // SAFETY: writes this thread's word; see `current`.
-        unsafe {
-            std::arch::asm!(
-                concat!("mov {off}, qword ptr [rip + ", tls_symbol!("current"), "@GOTTPOFF]"),
-                "mov qword ptr fs:[{off}], {h}",
-                off = out(reg) _,
-                h = in(reg) h,
-                options(nostack, preserves_flags),
-            );
-        }
+        tls_write!("current", h as usize)
     }
 
     /// This thread's id word: 0 until `set_thread_id`.
     #[inline(always)]
     pub(crate) fn thread_id_word() -> u64 {
-        let id: u64;
-        // SAFETY: as in `current`.
-        unsafe {
-            std::arch::asm!(
-                concat!("mov {off}, qword ptr [rip + ", tls_symbol!("thread_id"), "@GOTTPOFF]"),
-                "mov {id}, qword ptr fs:[{off}]",
-                off = out(reg) _,
-                id = out(reg) id,
-                options(nostack, readonly, preserves_flags),
-            );
-        }
-        id
+        tls_read!("thread_id") as u64
     }
 
     /// Sets this thread's id word.
     pub(crate) fn set_thread_id(id: u64) {
-        // SAFETY: as in `set_current`.
-        unsafe {
-            std::arch::asm!(
-                concat!("mov {off}, qword ptr [rip + ", tls_symbol!("thread_id"), "@GOTTPOFF]"),
-                "mov qword ptr fs:[{off}], {id}",
-                off = out(reg) _,
-                id = in(reg) id,
-                options(nostack, preserves_flags),
-            );
-        }
+        tls_write!("thread_id", id as usize)
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux", not(loom), not(miri))))]
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_pointer_width = "64",
+    target_os = "linux",
+    not(loom),
+    not(miri)
+)))]
 mod imp {
     use std::cell::Cell;
     use std::ptr;

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, ThreadId};
 
 use spindle_fiber::{
-    current, leaked_stacks, yield_value, Fiber, FiberAttr, FiberError, FiberId, FiberState, Priority,
-    RunOutcome,
+    current, current_id, in_fiber, leaked_stacks, yield_value, Fiber, FiberAttr, FiberError, FiberId,
+    FiberState, Priority, RunOutcome,
 };
 
 /// The calling thread's id, read through a call that is not inlined into a
@@ -339,5 +339,65 @@ fn threads_racing_to_run_one_fiber_take_turns() {
         assert_eq!(stats.runs, YIELDS as u64 + 1);
         assert_eq!(stats.yields, YIELDS as u64);
         assert!(stats.migrations <= YIELDS as u64);
+    });
+}
+
+/// The library's own thread-local accesses are inlined into the caller (on
+/// x86-64 Linux): here `run` and `current_id` are inlined into a fiber
+/// function that runs a fiber on thread X, moves to thread Y and runs it
+/// again there. Every lookup must see the thread it runs on.
+#[test]
+fn a_migrating_fiber_that_runs_another_fiber_on_both_threads_keeps_current_right() {
+    with_watchdog(60, "nested_run_in_a_migrating_fiber", || {
+        for _ in 0..200 {
+            let (to_y, from_x) = mpsc::channel::<Fiber<Vec<Option<FiberId>>>>();
+            let x = thread::spawn(move || {
+                let outer = Fiber::new(FiberAttr::new().name("outer")).unwrap();
+                // SAFETY: both functions hold only Send values (fibers, ids,
+                // a Vec) across their suspensions and read no thread-local
+                // of their own.
+                unsafe {
+                    outer
+                        .set_function_migratable(Priority::NORMAL, || {
+                            let inner = Fiber::new(FiberAttr::new().name("inner")).unwrap();
+                            inner
+                                .set_function_migratable(Priority::NORMAL, || {
+                                    let a = current_id();
+                                    yield_value(7);
+                                    (a, current_id())
+                                })
+                                .unwrap();
+                            let mut seen = vec![current_id()];
+                            assert!(matches!(inner.run().unwrap(), RunOutcome::Yielded(7)));
+                            seen.push(current_id());
+                            yield_value(1); // moves to thread Y
+                            seen.push(current_id());
+                            let (a, b) = inner.run().unwrap().unwrap_returned();
+                            seen.extend([a, b, current_id(), Some(inner.id())]);
+                            seen
+                        })
+                        .unwrap();
+                }
+                assert!(matches!(outer.run().unwrap(), RunOutcome::Yielded(1)));
+                assert!(!in_fiber(), "thread X is left inside a fiber");
+                let id = outer.id();
+                to_y.send(outer).unwrap();
+                id
+            });
+            let y = thread::spawn(move || {
+                let outer = from_x.recv().unwrap();
+                let seen = outer.run().unwrap().unwrap_returned();
+                assert!(!in_fiber(), "thread Y is left inside a fiber");
+                seen
+            });
+            let outer = Some(x.join().unwrap());
+            let seen = y.join().unwrap();
+            let inner = seen[6];
+            assert_eq!(
+                seen,
+                vec![outer, outer, outer, inner, inner, outer, inner],
+                "current_id() at each step, outer {outer:?}, inner {inner:?}"
+            );
+        }
     });
 }

@@ -179,8 +179,8 @@ fn a_thread_stack_overflow_still_gets_rusts_own_report() {
 /// Runs `yield_now` with the stack pointer `off` bytes above the lowest
 /// usable address: the fiber has used all but `off` bytes of its stack, so
 /// the library's own suspension code is what overflows, at every depth of
-/// it, including the frames between `leave` (where the fiber stops being
-/// current) and the switch.
+/// it, up to the switch (the fiber stays current until its runner is back
+/// on its own stack).
 #[cfg(target_arch = "x86_64")]
 fn yield_near_the_guard(low: usize, off: usize) {
     extern "C" fn do_yield() {
