@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
-use crate::tls;
+use crate::tls::{self, Entered};
 use crate::Priority;
 
 /// The current fiber's header, or null. Usable from a signal handler: a
@@ -32,7 +32,6 @@ pub(crate) fn current_header() -> *const Header {
 }
 
 /// A process-unique id of the calling thread (never reused, never 0).
-#[inline(always)]
 pub(crate) fn thread_id() -> u64 {
     match tls::thread_id_word() {
         0 => assign_thread_id(),
@@ -41,17 +40,29 @@ pub(crate) fn thread_id() -> u64 {
 }
 
 /// Runner side, just before switching into `h`: makes `h` the current
-/// fiber. Returns the fiber that was current, for [`exit`].
+/// fiber. Returns what [`exit`] needs to put the previous one back, and
+/// this thread's id: process-unique, never reused, never 0.
 #[inline(always)]
-pub(crate) fn enter(h: &Header) -> *const Header {
-    tls::swap_current(h)
+pub(crate) fn enter(h: &Header) -> (Entered, u64) {
+    let e = tls::enter(h);
+    let thread = match e.thread {
+        0 => assign_thread_id(),
+        id => id,
+    };
+    (e, thread)
 }
 
 /// Runner side, once the fiber has switched out (yield, sleep, return,
-/// panic): gives the thread back the fiber that [`enter`] found current.
+/// panic), or if it is not resumed after all: gives the thread back the
+/// fiber that [`enter`] found current.
+///
+/// # Safety
+/// Called on the thread that made the `enter` that returned `e` (a runner
+/// does not change threads while the fiber it runs is switched in).
 #[inline(always)]
-pub(crate) fn exit(prev: *const Header) {
-    tls::set_current(prev)
+pub(crate) unsafe fn exit(e: Entered) {
+    // SAFETY: same thread, by the caller's contract.
+    unsafe { tls::exit(e) }
 }
 
 #[cold]

@@ -188,8 +188,10 @@ struct Slot<T> {
     home: Option<Arc<dyn Schedule<T>>>,
     /// May the current function run on another thread than its first?
     migratable: bool,
-    /// Thread the current function first ran on (0: not started).
-    pinned_to: u64,
+    /// Thread of the current function's last run (0: not started). A
+    /// pinned fiber's function only ever runs there; whenever it is not 0
+    /// it equals the header's `last_thread`.
+    pin: u64,
     pool: &'static StackPool,
 }
 
@@ -296,7 +298,7 @@ impl<T: Send + 'static> Fiber<T> {
                 stack: Some(stack),
                 home: None,
                 migratable: false,
-                pinned_to: 0,
+                pin: 0,
                 pool: attr.pool,
             }),
         });
@@ -379,7 +381,7 @@ impl<T: Send + 'static> Fiber<T> {
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
         slot.migratable = migratable;
-        slot.pinned_to = 0;
+        slot.pin = 0;
         h.priority.store(priority.0, Ordering::Relaxed);
         h.state.store(FiberState::Ready);
         Ok(())
@@ -468,29 +470,21 @@ impl<T: Send + 'static> Fiber<T> {
             h.state.store(FiberState::Finished);
             return Err(FiberError::Finished(h.id));
         };
-        let me = thread_id();
-        if slot.pinned_to != me {
-            if slot.pinned_to != 0 && !slot.migratable {
-                h.state.store(FiberState::Ready);
-                return Err(FiberError::WrongThread(h.id));
-            }
-            slot.pinned_to = me;
+        // Make this fiber current and learn this thread's id.
+        let (entered, me) = enter(h);
+        // `pin` is the thread of this function's last run (0: none yet), and
+        // then also `last_thread`: one compare covers the common case.
+        if slot.pin != me && !change_thread(h, &mut slot.pin, slot.migratable, me) {
+            // SAFETY: same thread as the `enter` above.
+            unsafe { exit(entered) };
+            h.state.store(FiberState::Ready);
+            return Err(FiberError::WrongThread(h.id));
         }
         Counters::bump(&h.counters.runs);
-        let last = h.last_thread.load(Ordering::Relaxed);
-        if last != me {
-            if last != 0 {
-                Counters::bump(&h.counters.migrations);
-            }
-            h.last_thread.store(me, Ordering::Relaxed);
-        }
-        // Nothing fails from here on. Make this fiber current; the thread
-        // gets its previous current fiber back as soon as the fiber has
-        // switched out.
-        let prev = enter(h);
         let result = coro.resume(());
         // Back on the runner's stack and thread, whatever the fiber did.
-        exit(prev);
+        // SAFETY: a runner does not change threads while the fiber is in.
+        unsafe { exit(entered) };
 
         Ok(match result {
             CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
@@ -529,7 +523,7 @@ impl<T: Send + 'static> Fiber<T> {
     fn finish(&self, slot: &mut Slot<T>) {
         let coro = slot.coro.take().expect("finished fiber had a coroutine");
         slot.stack = Some(coro.into_stack());
-        slot.pinned_to = 0;
+        slot.pin = 0;
         self.header()
             .yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -748,6 +742,27 @@ impl<T> Drop for Fiber<T> {
     }
 }
 
+/// A run on thread `me`, which did not make this function's last run:
+/// refused for a pinned fiber that has run already (false); otherwise
+/// counted as a migration if the fiber ever ran elsewhere before, and
+/// remembered.
+#[cold]
+#[inline(never)]
+fn change_thread(h: &Header, pin: &mut u64, migratable: bool, me: u64) -> bool {
+    if *pin != 0 && !migratable {
+        return false;
+    }
+    let last = h.last_thread.load(Ordering::Relaxed);
+    if last != me {
+        if last != 0 {
+            Counters::bump(&h.counters.migrations);
+        }
+        h.last_thread.store(me, Ordering::Relaxed);
+    }
+    *pin = me;
+    true
+}
+
 /// Drops one strong reference. If it is the last one and the fiber is
 /// suspended mid-function, the stack is unwound first, while the reference
 /// is still held: destructors on that stack may call `current()` or
@@ -762,7 +777,7 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
         let slot = unsafe { &mut *arc.slot.get() };
         let pool = slot.pool;
         let unwind_here = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
-            && (slot.migratable || slot.pinned_to == thread_id());
+            && (slot.migratable || slot.pin == thread_id());
         if unwind_here {
             let mut coro = slot.coro.take().expect("checked above");
             // Unwind with this fiber current, so that code in
@@ -770,9 +785,10 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             // unwind may suspend again (corosensei then restarts the
             // unwind): the fiber side never writes the current fiber, so it stays
             // right until the unwind is over.
-            let prev = enter(&arc.header);
+            let (entered, _) = enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-            exit(prev);
+            // SAFETY: the same thread as `enter`.
+            unsafe { exit(entered) };
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {

@@ -42,7 +42,27 @@
 
 use crate::header::Header;
 
-pub(crate) use imp::{current, set_current, set_thread_id, thread_id_word};
+pub(crate) use imp::{current, enter, exit, set_thread_id, thread_id_word};
+
+/// What [`enter`] found: the fiber that was current, this thread's id
+/// word (0 until [`set_thread_id`]), and where the words are, for [`exit`].
+#[derive(Clone, Copy)]
+pub(crate) struct Entered {
+    pub(crate) prev: *const Header,
+    pub(crate) thread: u64,
+    /// The words' offset from the thread pointer (unused by the fallback).
+    #[cfg_attr(
+        not(all(
+            target_arch = "x86_64",
+            target_pointer_width = "64",
+            target_os = "linux",
+            not(loom),
+            not(miri)
+        )),
+        allow(dead_code)
+    )]
+    offset: usize,
+}
 
 #[cfg(all(
     target_arch = "x86_64",
@@ -52,98 +72,129 @@ pub(crate) use imp::{current, set_current, set_thread_id, thread_id_word};
     not(miri)
 ))]
 mod imp {
+    use super::Entered;
     use crate::header::Header;
 
     use crate::__private::tls_anchor as anchor;
 
-    // Two zero-initialised words in the thread-local BSS. Global (inlined
+    // The two words, zero-initialised, in the thread-local BSS: the current
+    // fiber at offset 0, the thread id at offset 8. Global (inlined
     // accesses in other crates' object files refer to them) but hidden:
     // each executable or shared object that links the crate has its own,
     // as with `thread_local!`.
     std::arch::global_asm!(
         ".pushsection .tbss,\"awT\",@nobits",
-        ".p2align 3",
-        ".globl {a}.current",
-        ".hidden {a}.current",
-        ".type {a}.current,@object",
-        ".size {a}.current,8",
-        "{a}.current:",
-        ".zero 8",
-        ".globl {a}.thread_id",
-        ".hidden {a}.thread_id",
-        ".type {a}.thread_id,@object",
-        ".size {a}.thread_id,8",
-        "{a}.thread_id:",
-        ".zero 8",
+        ".p2align 4",
+        ".globl {a}.words",
+        ".hidden {a}.words",
+        ".type {a}.words,@object",
+        ".size {a}.words,16",
+        "{a}.words:",
+        ".zero 16",
         ".popsection",
         a = sym anchor,
     );
 
-    /// Reads one of the words: `$word` is `current` or `thread_id`.
-    macro_rules! tls_read {
-        ($word:literal) => {{
-            let v: usize;
-            // SAFETY: the descriptor call returns the word's offset from the
-            // thread pointer in rax (clobbering nothing else but the flags),
-            // and the load reads this thread's word. Not `pure`: never
-            // merged with another access or moved across a stack switch.
-            // Not `nostack`: the call pushes its return address.
-            unsafe {
-                std::arch::asm!(
-                    concat!("lea rax, [rip + {a}.", $word, "@TLSDESC]"),
-                    concat!("call qword ptr [rax + {a}.", $word, "@TLSCALL]"),
-                    "mov {v}, qword ptr fs:[rax]",
-                    a = sym anchor,
-                    v = lateout(reg) v,
-                    out("rax") _,
-                );
-            }
-            v
-        }};
-    }
-
-    /// Writes one of the words.
-    macro_rules! tls_write {
-        ($word:literal, $value:expr) => {{
-            let v: usize = $value;
-            // SAFETY: as in `tls_read`; writes this thread's word. `v` is an
-            // input that the asm reads after the call, which leaves every
-            // register but rax as it was (rax is declared clobbered, so `v`
-            // is never allocated to it).
-            unsafe {
-                std::arch::asm!(
-                    concat!("lea rax, [rip + {a}.", $word, "@TLSDESC]"),
-                    concat!("call qword ptr [rax + {a}.", $word, "@TLSCALL]"),
-                    "mov qword ptr fs:[rax], {v}",
-                    a = sym anchor,
-                    v = in(reg) v,
-                    out("rax") _,
-                );
-            }
-        }};
-    }
+    // Every block below starts with the descriptor call, which returns the
+    // words' offset from the thread pointer in rax and clobbers nothing
+    // else but the flags; the loads and stores then address this thread's
+    // words through `fs`. None is `pure`: the compiler never merges one
+    // with another access or moves it across a stack switch. None is
+    // `nostack`: the call pushes its return address.
 
     /// The fiber running on this thread, or null.
     #[inline(always)]
     pub(crate) fn current() -> *const Header {
-        tls_read!("current") as *const Header
+        let h: *const Header;
+        // SAFETY: reads this thread's current-fiber word (see above).
+        unsafe {
+            std::arch::asm!(
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                "mov {h}, qword ptr fs:[rax]",
+                a = sym anchor,
+                h = lateout(reg) h,
+                out("rax") _,
+            );
+        }
+        h
     }
 
-    /// Makes `h` the fiber running on this thread (null: none).
+    /// Makes `h` the current fiber; returns what [`exit`] needs to put the
+    /// previous one back, and this thread's id word.
     #[inline(always)]
-    pub(crate) fn set_current(h: *const Header) {
-        tls_write!("current", h as usize)
+    pub(crate) fn enter(h: *const Header) -> Entered {
+        let (prev, thread, offset): (*const Header, u64, usize);
+        // SAFETY: reads and writes this thread's words (see above). `h` is
+        // an input read after the call, which preserves every register but
+        // rax; rax is an output, so `h` is never allocated to it.
+        unsafe {
+            std::arch::asm!(
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                "mov {prev}, qword ptr fs:[rax]",
+                "mov qword ptr fs:[rax], {h}",
+                "mov {thread}, qword ptr fs:[rax + 8]",
+                a = sym anchor,
+                h = in(reg) h,
+                prev = lateout(reg) prev,
+                thread = lateout(reg) thread,
+                out("rax") offset,
+            );
+        }
+        Entered { prev, thread, offset }
     }
 
-    /// This thread's id word: 0 until `set_thread_id`.
+    /// Puts back the fiber that was current before `e`'s [`enter`].
+    ///
+    /// # Safety
+    /// Called on the thread that made that `enter` (the offset of the words
+    /// from the thread pointer differs between threads when the crate is in
+    /// a shared object loaded with `dlopen`).
+    #[inline(always)]
+    pub(crate) unsafe fn exit(e: Entered) {
+        // SAFETY: the caller is on the thread `e.offset` was computed on.
+        unsafe {
+            std::arch::asm!(
+                "mov qword ptr fs:[{off}], {prev}",
+                off = in(reg) e.offset,
+                prev = in(reg) e.prev,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+
+    /// This thread's id word: 0 until [`set_thread_id`].
     #[inline(always)]
     pub(crate) fn thread_id_word() -> u64 {
-        tls_read!("thread_id") as u64
+        let id: u64;
+        // SAFETY: reads this thread's id word (see above).
+        unsafe {
+            std::arch::asm!(
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                "mov {id}, qword ptr fs:[rax + 8]",
+                a = sym anchor,
+                id = lateout(reg) id,
+                out("rax") _,
+            );
+        }
+        id
     }
 
     /// Sets this thread's id word.
     pub(crate) fn set_thread_id(id: u64) {
-        tls_write!("thread_id", id as usize)
+        // SAFETY: writes this thread's id word (see above).
+        unsafe {
+            std::arch::asm!(
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                "mov qword ptr fs:[rax + 8], {id}",
+                a = sym anchor,
+                id = in(reg) id,
+                out("rax") _,
+            );
+        }
     }
 }
 
@@ -158,6 +209,7 @@ mod imp {
     use std::cell::Cell;
     use std::ptr;
 
+    use super::Entered;
     use crate::header::Header;
 
     thread_local! {
@@ -171,13 +223,28 @@ mod imp {
         CURRENT.with(Cell::get)
     }
 
-    /// Makes `h` the fiber running on this thread (null: none).
+    /// Makes `h` the current fiber; returns what [`exit`] needs to put the
+    /// previous one back, and this thread's id word.
     #[inline(never)]
-    pub(crate) fn set_current(h: *const Header) {
-        CURRENT.with(|c| c.set(h))
+    pub(crate) fn enter(h: *const Header) -> Entered {
+        Entered {
+            prev: CURRENT.with(|c| c.replace(h)),
+            thread: THREAD_ID.with(Cell::get),
+            offset: 0,
+        }
     }
 
-    /// This thread's id word: 0 until `set_thread_id`.
+    /// Puts back the fiber that was current before `e`'s [`enter`].
+    ///
+    /// # Safety
+    /// Called on the thread that made that `enter` (a requirement of the
+    /// fast implementation; harmless here).
+    #[inline(never)]
+    pub(crate) unsafe fn exit(e: Entered) {
+        CURRENT.with(|c| c.set(e.prev))
+    }
+
+    /// This thread's id word: 0 until [`set_thread_id`].
     #[inline(never)]
     pub(crate) fn thread_id_word() -> u64 {
         THREAD_ID.with(Cell::get)
@@ -188,12 +255,4 @@ mod imp {
     pub(crate) fn set_thread_id(id: u64) {
         THREAD_ID.with(|c| c.set(id))
     }
-}
-
-/// Replaces the current fiber, returning the one that was current.
-#[inline(always)]
-pub(crate) fn swap_current(h: *const Header) -> *const Header {
-    let prev = current();
-    set_current(h);
-    prev
 }
