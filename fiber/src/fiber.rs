@@ -488,7 +488,6 @@ impl<T: Send + 'static> Fiber<T> {
 
         Ok(match result {
             CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
-                Counters::bump(&h.counters.yields);
                 h.state.transition_to_yielded();
                 RunOutcome::Yielded(v)
             }
@@ -521,6 +520,7 @@ impl<T: Send + 'static> Fiber<T> {
     }
 
     fn finish(&self, slot: &mut Slot<T>) {
+        Counters::bump(&self.header().counters.ends);
         let coro = slot.coro.take().expect("finished fiber had a coroutine");
         slot.stack = Some(coro.into_stack());
         slot.pin = 0;

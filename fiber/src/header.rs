@@ -9,7 +9,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::state::StateCell;
+use crate::state::{FiberState, StateCell};
 
 /// A fiber's process-unique identifier. Never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -99,11 +99,17 @@ impl Default for Priority {
 
 /// Per-fiber counters, written only by whoever runs the fiber (relaxed
 /// load + store, no read-modify-write), readable from anywhere.
+///
+/// Yields are not counted but derived: every run ends in a yield, a sleep
+/// or the end of the function (return or panic), or is still going on, so
+/// `yields = runs - sleeps - ends - running`. That keeps the common round
+/// trip (run, yield) to one counter update.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) runs: AtomicU64,
-    pub(crate) yields: AtomicU64,
     pub(crate) sleeps: AtomicU64,
+    /// Functions that returned or panicked.
+    pub(crate) ends: AtomicU64,
     pub(crate) migrations: AtomicU64,
 }
 
@@ -190,10 +196,16 @@ impl Header {
 
     pub(crate) fn stats(&self) -> FiberStats {
         let c = &self.counters;
+        let running = matches!(self.state.load(), FiberState::Running | FiberState::RunningWoken);
+        let runs = c.runs.load(Ordering::Relaxed);
+        let sleeps = c.sleeps.load(Ordering::Relaxed);
+        let ends = c.ends.load(Ordering::Relaxed);
         FiberStats {
-            runs: c.runs.load(Ordering::Relaxed),
-            yields: c.yields.load(Ordering::Relaxed),
-            sleeps: c.sleeps.load(Ordering::Relaxed),
+            runs,
+            // Read while the fiber runs, the figures may be one step apart;
+            // never below zero.
+            yields: runs.saturating_sub(sleeps + ends + running as u64),
+            sleeps,
             migrations: c.migrations.load(Ordering::Relaxed),
         }
     }

@@ -47,6 +47,29 @@ fn runs_and_yields_are_counted() {
     });
 }
 
+/// Yields are derived from the other counters (runs that did not sleep or
+/// end); a read from inside the fiber does not count its run in progress.
+#[test]
+fn counters_read_by_the_running_fiber_itself() {
+    with_watchdog(30, "counters_inside", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let me = fiber.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                yield_now();
+                yield_now();
+                me.stats()
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let inside = fiber.run().unwrap().unwrap_returned();
+        assert_eq!((inside.runs, inside.yields, inside.sleeps), (3, 2, 0));
+        let after = fiber.stats();
+        assert_eq!((after.runs, after.yields, after.sleeps), (3, 2, 0));
+    });
+}
+
 #[test]
 fn debug_shows_the_name_id_and_state() {
     let fiber = Fiber::<()>::new(FiberAttr::new().name("debug-me").stack_size(64 * 1024)).unwrap();
