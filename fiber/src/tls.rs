@@ -44,24 +44,12 @@ use crate::header::Header;
 
 pub(crate) use imp::{current, enter, exit, set_thread_id, thread_id_word};
 
-/// What [`enter`] found: the fiber that was current, this thread's id
-/// word (0 until [`set_thread_id`]), and where the words are, for [`exit`].
+/// What [`enter`] found: the fiber that was current, and this thread's id
+/// word (0 until [`set_thread_id`]).
 #[derive(Clone, Copy)]
 pub(crate) struct Entered {
     pub(crate) prev: *const Header,
     pub(crate) thread: u64,
-    /// The words' offset from the thread pointer (unused by the fallback).
-    #[cfg_attr(
-        not(all(
-            target_arch = "x86_64",
-            target_pointer_width = "64",
-            target_os = "linux",
-            not(loom),
-            not(miri)
-        )),
-        allow(dead_code)
-    )]
-    offset: usize,
 }
 
 #[cfg(all(
@@ -124,7 +112,7 @@ mod imp {
     /// previous one back, and this thread's id word.
     #[inline(always)]
     pub(crate) fn enter(h: *const Header) -> Entered {
-        let (prev, thread, offset): (*const Header, u64, usize);
+        let (prev, thread): (*const Header, u64);
         // SAFETY: reads and writes this thread's words (see above). `h` is
         // an input read after the call, which preserves every register but
         // rax; rax is an output, so `h` is never allocated to it.
@@ -139,27 +127,28 @@ mod imp {
                 h = in(reg) h,
                 prev = lateout(reg) prev,
                 thread = lateout(reg) thread,
-                out("rax") offset,
+                out("rax") _,
             );
         }
-        Entered { prev, thread, offset }
+        Entered { prev, thread }
     }
 
     /// Puts back the fiber that was current before `e`'s [`enter`].
     ///
     /// # Safety
-    /// Called on the thread that made that `enter` (the offset of the words
-    /// from the thread pointer differs between threads when the crate is in
-    /// a shared object loaded with `dlopen`).
+    /// Called on the thread that made that `enter`: elsewhere it would give
+    /// that thread a current fiber its runner does not keep alive.
     #[inline(always)]
     pub(crate) unsafe fn exit(e: Entered) {
-        // SAFETY: the caller is on the thread `e.offset` was computed on.
+        // SAFETY: writes this thread's current-fiber word (see above).
         unsafe {
             std::arch::asm!(
-                "mov qword ptr fs:[{off}], {prev}",
-                off = in(reg) e.offset,
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                "mov qword ptr fs:[rax], {prev}",
+                a = sym anchor,
                 prev = in(reg) e.prev,
-                options(nostack, preserves_flags),
+                out("rax") _,
             );
         }
     }
@@ -230,15 +219,14 @@ mod imp {
         Entered {
             prev: CURRENT.with(|c| c.replace(h)),
             thread: THREAD_ID.with(Cell::get),
-            offset: 0,
         }
     }
 
     /// Puts back the fiber that was current before `e`'s [`enter`].
     ///
     /// # Safety
-    /// Called on the thread that made that `enter` (a requirement of the
-    /// fast implementation; harmless here).
+    /// Called on the thread that made that `enter` (see the fast
+    /// implementation).
     #[inline(never)]
     pub(crate) unsafe fn exit(e: Entered) {
         CURRENT.with(|c| c.set(e.prev))
