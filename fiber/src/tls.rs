@@ -115,7 +115,9 @@ mod imp {
         let (prev, thread): (*const Header, u64);
         // SAFETY: reads and writes this thread's words (see above). `h` is
         // an input read after the call, which preserves every register but
-        // rax; rax is an output, so `h` is never allocated to it.
+        // rax; rax is an output, so `h` is never allocated to it. `prev` is
+        // written before `h` is read, so it is an early `out` (never the
+        // register of `h`); `thread` is written last and may share one.
         unsafe {
             std::arch::asm!(
                 "lea rax, [rip + {a}.words@TLSDESC]",
@@ -125,7 +127,7 @@ mod imp {
                 "mov {thread}, qword ptr fs:[rax + 8]",
                 a = sym anchor,
                 h = in(reg) h,
-                prev = lateout(reg) prev,
+                prev = out(reg) prev,
                 thread = lateout(reg) thread,
                 out("rax") _,
             );
@@ -242,5 +244,48 @@ mod imp {
     #[inline(never)]
     pub(crate) fn set_thread_id(id: u64) {
         THREAD_ID.with(|c| c.set(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `enter` must store the new fiber, not the previous one it read
+    /// first (an output sharing the input's register would do that), and
+    /// `exit` must put the previous one back, on each thread separately.
+    #[test]
+    fn enter_and_exit_swap_this_threads_current_word() {
+        let check = |a: usize, b: usize| {
+            let (a, b) = (a as *const Header, b as *const Header);
+            assert!(current().is_null());
+            let outer = enter(a);
+            assert!(outer.prev.is_null());
+            assert_eq!(current(), a);
+            let inner = enter(b);
+            assert_eq!(inner.prev, a);
+            assert_eq!(inner.thread, outer.thread);
+            assert_eq!(current(), b);
+            // SAFETY: same thread as the `enter`s; the words are restored
+            // before anything reads them as headers.
+            unsafe { exit(inner) };
+            assert_eq!(current(), a);
+            unsafe { exit(outer) };
+            assert!(current().is_null());
+        };
+        check(0x1000, 0x2000);
+        std::thread::spawn(move || check(0x3000, 0x4000)).join().unwrap();
+        check(0x5000, 0x6000);
+    }
+
+    #[test]
+    fn the_thread_id_word_is_per_thread() {
+        set_thread_id(41);
+        assert_eq!(thread_id_word(), 41);
+        assert_eq!(enter(std::ptr::null()).thread, 41);
+        std::thread::spawn(|| assert_eq!(thread_id_word(), 0))
+            .join()
+            .unwrap();
+        assert_eq!(thread_id_word(), 41);
     }
 }
