@@ -191,13 +191,18 @@ pub(crate) fn wait<S>(
     unsafe { list(&mut guard).push_back(&node) };
     drop(guard);
     if is_fiber {
-        spindle_fiber::sleep_on(reason);
-        // A fiber is only resumed after `Waiter::wake`, which the waker
-        // calls after setting `done`.
-        assert!(
-            node.done.load(Ordering::Acquire),
-            "spindle-sync: a sleeping fiber was resumed without being woken"
-        );
+        // The node's own waiter is only woken after `done` is set. Any other
+        // wake is spurious: a `Waiter` the fiber took earlier and kept (the
+        // API is public), woken now. The node is still linked and still
+        // holds its waiter, so the fiber simply sleeps again; the real wake
+        // then finds it asleep, or about to sleep (and the sleep returns at
+        // once).
+        loop {
+            spindle_fiber::sleep_on(reason);
+            if node.done.load(Ordering::Acquire) {
+                break;
+            }
+        }
     } else {
         while !node.done.load(Ordering::Acquire) {
             std::thread::park();

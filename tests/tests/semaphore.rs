@@ -302,3 +302,42 @@ fn two_fibers_ping_pong_on_one_thread() {
         assert_eq!((ping.waiters(), pong.waiters()), (0, 0));
     });
 }
+
+/// A `Waiter` the fiber took earlier and kept (the API is public) may be
+/// woken while the fiber sleeps in `acquire`: a spurious wakeup. The fiber
+/// must go back to sleep with its wait node still linked, and take the
+/// token when it is really released.
+#[test]
+fn a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup() {
+    use spindle_fiber::Waiter;
+    watchdog("a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let stash: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
+        let queue = RunQueue::<&'static str>::new(4);
+        let (s, st) = (sem.clone(), stash.clone());
+        let f = fiber(Priority::NORMAL, move || {
+            *st.lock().unwrap() = Waiter::current();
+            s.acquire();
+            "acquired"
+        });
+        queue.try_push(f.clone()).unwrap();
+
+        stage.set("first run: the fiber should go to sleep in acquire");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        assert_eq!(sem.waiters(), 1);
+
+        stage.set("the stale waiter's wake: the fiber runs and sleeps again");
+        stash.lock().unwrap().take().expect("the fiber stashed a waiter").wake();
+        assert_eq!(queue.len(), 1, "the spurious wake queued the fiber");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+        assert_eq!(f.state(), FiberState::Sleeping);
+        assert_eq!(sem.waiters(), 1, "its wait node is still linked");
+
+        stage.set("the real release: the fiber takes the token and returns");
+        sem.release(1);
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("acquired"))), "{:?}", ran.outcome);
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    });
+}
