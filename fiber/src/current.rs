@@ -278,8 +278,10 @@ impl Waiter {
         self.header().priority.store(p.0, Ordering::Relaxed);
     }
 
-    /// Wakes the fiber (waker step 3 of the protocol). Never blocks and
-    /// never allocates.
+    /// Wakes the fiber (waker step 3 of the protocol). Never blocks, never
+    /// allocates, never panics: a wake for a fiber that is neither asleep
+    /// nor about to sleep (a second waiter of one sleep, or a waiter kept
+    /// after the fiber moved on) is void.
     pub fn wake(self) {
         let h = self.header;
         std::mem::forget(self);
@@ -287,7 +289,9 @@ impl Waiter {
         unsafe {
             match h.as_ref().state.transition_to_woken() {
                 crate::state::WakeTransition::Owned => (h.as_ref().vtable.finish_wake)(h),
-                crate::state::WakeTransition::Deferred => (h.as_ref().vtable.release)(h),
+                crate::state::WakeTransition::Deferred | crate::state::WakeTransition::Void => {
+                    (h.as_ref().vtable.release)(h)
+                }
             }
         }
     }

@@ -74,6 +74,10 @@ pub enum WakeTransition {
     /// The fiber had not switched out yet; it was marked `RunningWoken` and
     /// its runner finishes the wake.
     Deferred,
+    /// The fiber is neither asleep nor about to sleep (it was woken already,
+    /// or yielded or returned after publishing the waiter, or the waiter was
+    /// taken outside the sleep protocol): the wake is void.
+    Void,
 }
 
 /// What the runner found after a fiber switched out to sleep.
@@ -120,17 +124,22 @@ impl StateCell {
     }
 
     /// Waker step 3 (see DESIGN.md, "sleep/wake protocol"): `Sleeping` →
-    /// `Locked`, or `Running` → `RunningWoken`.
+    /// `Locked`, or `Running` → `RunningWoken`; any other state: void.
+    ///
+    /// A wake in another state does not come from the sleep it was meant
+    /// for: a second waiter of one sleep, or a `Waiter` kept after the fiber
+    /// yielded, returned or was woken. Such a wake is void, as a wake that
+    /// arrives for a fiber which then yields is: it must not take down the
+    /// thread that makes it, and it has nothing to wake. (A kept waiter
+    /// woken while the fiber sleeps for another reason does wake it: a
+    /// spurious wakeup, which `spindle-sync`'s wait loop absorbs.)
     pub fn transition_to_woken(&self) -> WakeTransition {
         let mut cur = self.0.load(Ordering::Acquire);
         loop {
             let next = match FiberState::from_u8(cur) {
                 FiberState::Sleeping => FiberState::Locked,
                 FiberState::Running => FiberState::RunningWoken,
-                other => panic!(
-                    "spindle-fiber: wake of a fiber in state {other:?}; a waiter was woken twice \
-                     or outside the sleep protocol"
-                ),
+                _ => return WakeTransition::Void,
             };
             match self
                 .0

@@ -345,6 +345,9 @@ impl World {
                 self.coverage.deferred[r].store(true, StdOrdering::Relaxed);
                 self.deferred[r].store(true, StdOrdering::Relaxed);
             }
+            WakeTransition::Void => {
+                panic!("the waker of a published waiter found it neither asleep nor running")
+            }
         }
     }
 

@@ -258,3 +258,53 @@ fn an_early_wake_with_a_home_schedules_the_fiber_at_once() {
         assert!(matches!(woken.run().unwrap(), RunOutcome::Returned(4)));
     });
 }
+
+/// Wakes that do not belong to a sleep in progress are void: a second
+/// waiter of one sleep, a waiter kept after the fiber yielded, and one kept
+/// after it returned. None of them panics in the waker or changes the
+/// fiber's state.
+#[test]
+fn wakes_outside_a_sleep_are_void() {
+    with_watchdog(30, "void_wakes", || {
+        let first: Slot = Arc::default();
+        let second: Slot = Arc::default();
+        let fiber = Fiber::new(FiberAttr::new().name("void-wakes")).unwrap();
+        let (a, b) = (first.clone(), second.clone());
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                *a.lock().unwrap() = Waiter::current();
+                *b.lock().unwrap() = Waiter::current();
+                sleep();
+                // A waiter kept across a yield.
+                *a.lock().unwrap() = Waiter::current();
+                yield_now();
+                // And one kept past the end of the function.
+                *b.lock().unwrap() = Waiter::current();
+                7
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+
+        take(&first).wake();
+        assert_eq!(fiber.state(), FiberState::Ready, "the first wake woke it");
+        take(&second).wake();
+        assert_eq!(
+            fiber.state(),
+            FiberState::Ready,
+            "the second waiter of that sleep is void"
+        );
+
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        take(&first).wake();
+        assert_eq!(fiber.state(), FiberState::Ready, "a wake after a yield is void");
+
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(7)));
+        take(&second).wake();
+        assert_eq!(
+            fiber.state(),
+            FiberState::Finished,
+            "a wake after the return is void"
+        );
+        assert_eq!(fiber.stats().sleeps, 1);
+    });
+}
