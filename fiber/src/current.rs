@@ -11,8 +11,9 @@
 //! through [`crate::tls`], whose reads and writes cannot be cached (see
 //! there), so the library's own lookups are immune whichever function they
 //! are inlined into. Besides, only the runner writes the word, just before
-//! the switch in and just after the switch back, and it cannot change
-//! threads in between: the fiber side only reads it.
+//! the switch in and just after the switch back (`release` does the same
+//! around a forced unwind), and it cannot change threads in between: the
+//! fiber side only reads it.
 
 use std::panic::Location;
 use std::ptr::NonNull;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 
 use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
-use crate::tls::{self, Entered};
+use crate::tls;
 use crate::Priority;
 
 /// The current fiber's header, or null. Usable from a signal handler: a
@@ -32,6 +33,7 @@ pub(crate) fn current_header() -> *const Header {
 }
 
 /// A process-unique id of the calling thread (never reused, never 0).
+#[inline(always)]
 pub(crate) fn thread_id() -> u64 {
     match tls::thread_id_word() {
         0 => assign_thread_id(),
@@ -40,16 +42,10 @@ pub(crate) fn thread_id() -> u64 {
 }
 
 /// Runner side, just before switching into `h`: makes `h` the current
-/// fiber. Returns what [`exit`] needs to put the previous one back, and
-/// this thread's id: process-unique, never reused, never 0.
+/// fiber. Returns the fiber that was current, for [`exit`].
 #[inline(always)]
-pub(crate) fn enter(h: &Header) -> (Entered, u64) {
-    let e = tls::enter(h);
-    let thread = match e.thread {
-        0 => assign_thread_id(),
-        id => id,
-    };
-    (e, thread)
+pub(crate) fn enter(h: &Header) -> *const Header {
+    tls::swap_current(h)
 }
 
 /// Runner side, once the fiber has switched out (yield, sleep, return,
@@ -60,9 +56,9 @@ pub(crate) fn enter(h: &Header) -> (Entered, u64) {
 /// Called on the thread that made the `enter` that returned `e` (a runner
 /// does not change threads while the fiber it runs is switched in).
 #[inline(always)]
-pub(crate) unsafe fn exit(e: Entered) {
+pub(crate) unsafe fn exit(prev: *const Header) {
     // SAFETY: same thread, by the caller's contract.
-    unsafe { tls::exit(e) }
+    unsafe { tls::set_current(prev) }
 }
 
 #[cold]

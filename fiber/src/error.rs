@@ -105,6 +105,11 @@ pub enum FiberError {
     NotQueued(FiberId),
     /// `run` of a pinned fiber on a thread other than the one it started on.
     WrongThread(FiberId),
+    /// `set_function` on a fiber that has no stack any more: it was
+    /// dropped while suspended, and a destructor that ran during that
+    /// unwind kept a reference to it (a `Waiter`), so its stack went back
+    /// to the pool without it.
+    NoStack(FiberId),
     /// The fiber's stack could not be created.
     Stack(StackError),
 }
@@ -147,6 +152,11 @@ impl fmt::Display for FiberError {
                 f,
                 "fiber {id} is pinned to the thread it started on: run it there, or create it with \
                  the unsafe set_function_migratable if its function is safe to move"
+            ),
+            FiberError::NoStack(id) => write!(
+                f,
+                "fiber {id} has no stack: it was dropped while suspended and only lives on \
+                 through a reference a destructor kept; create a new fiber instead"
             ),
             FiberError::Stack(e) => write!(f, "{e}"),
         }

@@ -361,7 +361,12 @@ impl<T: Send + 'static> Fiber<T> {
                 slot.stack = Some(c.into_stack());
             }
         }
-        let stack = slot.stack.take().expect("an idle fiber keeps its stack");
+        let Some(stack) = slot.stack.take() else {
+            // A fiber unwound on drop while a destructor kept a reference
+            // (see `release`): its stack went back to the pool.
+            h.state.store(from);
+            return Err(FiberError::NoStack(h.id));
+        };
         let coro = Coroutine::with_stack(stack, move |y: &Yielder, ()| {
             // SAFETY: the runner made this fiber current before resuming it;
             // this runs before the first suspension (see current.rs).
@@ -470,21 +475,22 @@ impl<T: Send + 'static> Fiber<T> {
             h.state.store(FiberState::Finished);
             return Err(FiberError::Finished(h.id));
         };
-        // Make this fiber current and learn this thread's id.
-        let (entered, me) = enter(h);
         // `pin` is the thread of this function's last run (0: none yet), and
         // then also `last_thread`: one compare covers the common case.
+        let me = thread_id();
         if slot.pin != me && !change_thread(h, &mut slot.pin, slot.migratable, me) {
-            // SAFETY: same thread as the `enter` above.
-            unsafe { exit(entered) };
             h.state.store(FiberState::Ready);
             return Err(FiberError::WrongThread(h.id));
         }
         Counters::bump(&h.counters.runs);
+        // Nothing can fail from here on: make this fiber current (the
+        // overflow handler then knows whose guard page to check, which is
+        // why this comes last before the switch).
+        let prev = enter(h);
         let result = coro.resume(());
         // Back on the runner's stack and thread, whatever the fiber did.
         // SAFETY: a runner does not change threads while the fiber is in.
-        unsafe { exit(entered) };
+        unsafe { exit(prev) };
 
         Ok(match result {
             CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
@@ -742,12 +748,11 @@ impl<T> Drop for Fiber<T> {
     }
 }
 
-/// A run on thread `me`, which did not make this function's last run:
-/// refused for a pinned fiber that has run already (false); otherwise
-/// counted as a migration if the fiber ever ran elsewhere before, and
-/// remembered.
-#[cold]
-#[inline(never)]
+/// A run on thread `me`, which did not make this function's last run (or
+/// the function's first run): refused for a pinned function that has run
+/// already (false); otherwise counted as a migration if the fiber's last
+/// run, of any function, was on another thread, and remembered.
+#[inline]
 fn change_thread(h: &Header, pin: &mut u64, migratable: bool, me: u64) -> bool {
     if *pin != 0 && !migratable {
         return false;
@@ -785,10 +790,10 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             // unwind may suspend again (corosensei then restarts the
             // unwind): the fiber side never writes the current fiber, so it stays
             // right until the unwind is over.
-            let (entered, _) = enter(&arc.header);
+            let prev = enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
             // SAFETY: the same thread as `enter`.
-            unsafe { exit(entered) };
+            unsafe { exit(prev) };
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {

@@ -196,14 +196,28 @@ impl Header {
 
     pub(crate) fn stats(&self) -> FiberStats {
         let c = &self.counters;
-        let running = matches!(self.state.load(), FiberState::Running | FiberState::RunningWoken);
-        let runs = c.runs.load(Ordering::Relaxed);
-        let sleeps = c.sleeps.load(Ordering::Relaxed);
-        let ends = c.ends.load(Ordering::Relaxed);
+        // The counters are plain words that the runner updates one at a
+        // time, so a read taken while another thread runs the fiber is
+        // retried until the run count and the state held still across it
+        // (a few tries; the runner does not wait for readers).
+        let mut tries = 0;
+        let (runs, sleeps, ends, running) = loop {
+            let state = self.state.load();
+            let runs = c.runs.load(Ordering::Relaxed);
+            let sleeps = c.sleeps.load(Ordering::Relaxed);
+            let ends = c.ends.load(Ordering::Relaxed);
+            tries += 1;
+            if (c.runs.load(Ordering::Relaxed) == runs && self.state.load() == state) || tries == 8 {
+                let running = matches!(state, FiberState::Running | FiberState::RunningWoken);
+                break (runs, sleeps, ends, running);
+            }
+        };
         FiberStats {
             runs,
-            // Read while the fiber runs, the figures may be one step apart;
-            // never below zero.
+            // Exact when the fiber is not running, or when it reads its own
+            // counters; read while another thread runs it, it may be one
+            // step behind or ahead (the runner counts a sleep or an end just
+            // before it changes the state). Never below zero.
             yields: runs.saturating_sub(sleeps + ends + running as u64),
             sleeps,
             migrations: c.migrations.load(Ordering::Relaxed),

@@ -13,44 +13,40 @@
 //! # Two implementations
 //!
 //! * **x86-64 Linux** (the fast one): the words live in the ELF TLS block,
-//!   declared in `global_asm!`, and every access is one inline `asm!` block
-//!   that finds the word's offset from the thread pointer with a TLS
-//!   descriptor (`@TLSDESC`/`@TLSCALL`) and reads or writes `fs:[offset]`.
-//!   The thread pointer is read by that instruction on whatever thread runs
-//!   it, and the compiler may neither merge nor move an `asm!` block that is
-//!   not marked `pure`: nothing can be cached across a switch.
-//!   - In an executable the linker turns the descriptor call into a
-//!     constant (`mov rax, offset`), so an access is two instructions and
-//!     no call, inlined into the caller.
+//!   declared in `global_asm!` as one 16-byte symbol, and every access is
+//!   one inline `asm!` block that finds the block's offset from the thread
+//!   pointer with a TLS descriptor (`@TLSDESC`/`@TLSCALL`) and reads or
+//!   writes `fs:[offset]` (or `fs:[offset + 8]`). The thread pointer is
+//!   read by that instruction on whatever thread runs it, and the compiler
+//!   may neither merge nor move an `asm!` block that is not marked `pure`:
+//!   nothing can be cached across a switch.
+//!   - In an executable the linker relaxes the sequence: the `lea` becomes
+//!     `mov rax, offset` and the call a two-byte nop, so an access is two
+//!     instructions and a nop, inlined into the caller.
 //!   - In a shared object the descriptor call stays: the C library's
 //!     resolver returns the offset (a short call for objects loaded at
 //!     startup; for an object loaded later with `dlopen`, the dynamic TLS
-//!     path, which works everywhere, unlike the initial-exec model).
-//!   - The descriptor call clobbers only `rax` and the flags (the x86-64
-//!     TLS descriptor ABI, which compilers rely on as well).
+//!     path, which works there too, unlike the initial-exec model).
+//!   - The descriptor ABI says the call clobbers only `rax` and the flags,
+//!     but glibc before 2.40 breaks that for vector registers on the
+//!     dynamic path (bug 31372), so the blocks declare the C ABI's clobbers.
+//!   - On that dynamic path, a thread's first access may allocate (as
+//!     `__tls_get_addr` does for `thread_local!`): the overflow handler's
+//!     read is async-signal-safe only once the thread has used the words,
+//!     which every thread that runs a fiber has.
 //!   - The symbols are named after a function of this crate
 //!     (`__private::tls_anchor`), whose mangled name is unique to each
 //!     build of the crate: two copies of the crate in one program never
 //!     share or clash. It is public (hidden from the docs) so that its
 //!     name is the same in every object file that inlines an access.
-//! * **Elsewhere** (and under loom): `thread_local!`, each access in a small
+//! * **Elsewhere** (and under loom or miri): `thread_local!`, each access in a small
 //!   `#[inline(never)]` function that does not suspend, so the address is
 //!   computed on each call by the thread that makes it.
 //!
 //! Either way the words are plain: no destructor, readable from a signal
 //! handler (the overflow report reads the current fiber).
 
-use crate::header::Header;
-
-pub(crate) use imp::{current, enter, exit, set_thread_id, thread_id_word};
-
-/// What [`enter`] found: the fiber that was current, and this thread's id
-/// word (0 until [`set_thread_id`]).
-#[derive(Clone, Copy)]
-pub(crate) struct Entered {
-    pub(crate) prev: *const Header,
-    pub(crate) thread: u64,
-}
+pub(crate) use imp::{current, set_current, set_thread_id, swap_current, thread_id_word};
 
 #[cfg(all(
     target_arch = "x86_64",
@@ -60,7 +56,6 @@ pub(crate) struct Entered {
     not(miri)
 ))]
 mod imp {
-    use super::Entered;
     use crate::header::Header;
 
     use crate::__private::tls_anchor as anchor;
@@ -84,11 +79,21 @@ mod imp {
     );
 
     // Every block below starts with the descriptor call, which returns the
-    // words' offset from the thread pointer in rax and clobbers nothing
-    // else but the flags; the loads and stores then address this thread's
-    // words through `fs`. None is `pure`: the compiler never merges one
-    // with another access or moves it across a stack switch. None is
-    // `nostack`: the call pushes its return address.
+    // block's offset from the thread pointer in rax; the loads and stores
+    // then address this thread's words through `fs`. None is `pure`: the
+    // compiler never merges one with another access or moves it across a
+    // stack switch. None is `nostack`: the call pushes its return address
+    // (and the stack is aligned for a call). None preserves the flags.
+    //
+    // The descriptor ABI promises that the call clobbers nothing but rax
+    // and the flags, and in an executable the call is gone (the linker
+    // turns the sequence into `mov rax, offset` and a nop). But in a shared
+    // object loaded with `dlopen`, glibc before 2.40 lets the first access
+    // of each thread clobber vector registers (glibc bug 31372), so every
+    // block also declares what a C call clobbers (`clobber_abi("C")`). The
+    // runner and the fiber hold nothing in those registers at these points
+    // (the stack switch next to them clobbers everything anyway), so this
+    // costs nothing measurable.
 
     /// The fiber running on this thread, or null.
     #[inline(always)]
@@ -99,58 +104,59 @@ mod imp {
             std::arch::asm!(
                 "lea rax, [rip + {a}.words@TLSDESC]",
                 "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov {h}, qword ptr fs:[rax]",
+                "mov rax, qword ptr fs:[rax]",
                 a = sym anchor,
-                h = lateout(reg) h,
-                out("rax") _,
+                out("rax") h,
+                clobber_abi("C"),
             );
         }
         h
     }
 
-    /// Makes `h` the current fiber; returns what [`exit`] needs to put the
-    /// previous one back, and this thread's id word.
+    /// Makes `h` the current fiber; returns the one that was current.
     #[inline(always)]
-    pub(crate) fn enter(h: *const Header) -> Entered {
-        let (prev, thread): (*const Header, u64);
-        // SAFETY: reads and writes this thread's words (see above). `h` is
-        // an input read after the call, which preserves every register but
-        // rax; rax is an output, so `h` is never allocated to it. `prev` is
-        // written before `h` is read, so it is an early `out` (never the
-        // register of `h`); `thread` is written last and may share one.
+    pub(crate) fn swap_current(h: *const Header) -> *const Header {
+        let prev: *const Header;
+        // SAFETY: reads and writes this thread's current-fiber word (see
+        // above). The input `h` is read after the call, which preserves
+        // every general register but rax (the descriptor ABI; the glibc bug
+        // concerns vector registers only); rax and rdx are early outputs,
+        // so `h` is in neither.
         unsafe {
             std::arch::asm!(
                 "lea rax, [rip + {a}.words@TLSDESC]",
                 "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov {prev}, qword ptr fs:[rax]",
+                "mov rdx, qword ptr fs:[rax]",
                 "mov qword ptr fs:[rax], {h}",
-                "mov {thread}, qword ptr fs:[rax + 8]",
                 a = sym anchor,
                 h = in(reg) h,
-                prev = out(reg) prev,
-                thread = lateout(reg) thread,
+                out("rdx") prev,
                 out("rax") _,
+                clobber_abi("C"),
             );
         }
-        Entered { prev, thread }
+        prev
     }
 
-    /// Puts back the fiber that was current before `e`'s [`enter`].
+    /// Makes `h` the current fiber.
     ///
     /// # Safety
-    /// Called on the thread that made that `enter`: elsewhere it would give
-    /// that thread a current fiber its runner does not keep alive.
+    /// `h` is null or the header of a fiber that stays alive for as long as
+    /// it is current on this thread (a runner's fiber, or what was current
+    /// before it).
     #[inline(always)]
-    pub(crate) unsafe fn exit(e: Entered) {
-        // SAFETY: writes this thread's current-fiber word (see above).
+    pub(crate) unsafe fn set_current(h: *const Header) {
+        // SAFETY: writes this thread's current-fiber word (see above; `h`
+        // is read after the call, as in `swap_current`).
         unsafe {
             std::arch::asm!(
                 "lea rax, [rip + {a}.words@TLSDESC]",
                 "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov qword ptr fs:[rax], {prev}",
+                "mov qword ptr fs:[rax], {h}",
                 a = sym anchor,
-                prev = in(reg) e.prev,
+                h = in(reg) h,
                 out("rax") _,
+                clobber_abi("C"),
             );
         }
     }
@@ -164,10 +170,10 @@ mod imp {
             std::arch::asm!(
                 "lea rax, [rip + {a}.words@TLSDESC]",
                 "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov {id}, qword ptr fs:[rax + 8]",
+                "mov rax, qword ptr fs:[rax + 8]",
                 a = sym anchor,
-                id = lateout(reg) id,
-                out("rax") _,
+                out("rax") id,
+                clobber_abi("C"),
             );
         }
         id
@@ -184,6 +190,7 @@ mod imp {
                 a = sym anchor,
                 id = in(reg) id,
                 out("rax") _,
+                clobber_abi("C"),
             );
         }
     }
@@ -200,7 +207,6 @@ mod imp {
     use std::cell::Cell;
     use std::ptr;
 
-    use super::Entered;
     use crate::header::Header;
 
     thread_local! {
@@ -214,24 +220,19 @@ mod imp {
         CURRENT.with(Cell::get)
     }
 
-    /// Makes `h` the current fiber; returns what [`exit`] needs to put the
-    /// previous one back, and this thread's id word.
+    /// Makes `h` the current fiber; returns the one that was current.
     #[inline(never)]
-    pub(crate) fn enter(h: *const Header) -> Entered {
-        Entered {
-            prev: CURRENT.with(|c| c.replace(h)),
-            thread: THREAD_ID.with(Cell::get),
-        }
+    pub(crate) fn swap_current(h: *const Header) -> *const Header {
+        CURRENT.with(|c| c.replace(h))
     }
 
-    /// Puts back the fiber that was current before `e`'s [`enter`].
+    /// Makes `h` the current fiber.
     ///
     /// # Safety
-    /// Called on the thread that made that `enter` (see the fast
-    /// implementation).
+    /// As for the fast implementation.
     #[inline(never)]
-    pub(crate) unsafe fn exit(e: Entered) {
-        CURRENT.with(|c| c.set(e.prev))
+    pub(crate) unsafe fn set_current(h: *const Header) {
+        CURRENT.with(|c| c.set(h))
     }
 
     /// This thread's id word: 0 until [`set_thread_id`].
@@ -250,27 +251,26 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::header::Header;
 
-    /// `enter` must store the new fiber, not the previous one it read
-    /// first (an output sharing the input's register would do that), and
-    /// `exit` must put the previous one back, on each thread separately.
+    /// `swap_current` must store the new fiber, not the previous one it
+    /// read first (an output sharing the input's register would do that),
+    /// and `set_current` must put the previous one back, on each thread
+    /// separately.
     #[test]
-    fn enter_and_exit_swap_this_threads_current_word() {
+    fn swap_and_set_change_this_threads_current_word() {
         let check = |a: usize, b: usize| {
             let (a, b) = (a as *const Header, b as *const Header);
             assert!(current().is_null());
-            let outer = enter(a);
-            assert!(outer.prev.is_null());
+            assert!(swap_current(a).is_null());
             assert_eq!(current(), a);
-            let inner = enter(b);
-            assert_eq!(inner.prev, a);
-            assert_eq!(inner.thread, outer.thread);
+            assert_eq!(swap_current(b), a);
             assert_eq!(current(), b);
-            // SAFETY: same thread as the `enter`s; the words are restored
-            // before anything reads them as headers.
-            unsafe { exit(inner) };
+            // SAFETY: the words are restored before anything reads them as
+            // headers.
+            unsafe { set_current(a) };
             assert_eq!(current(), a);
-            unsafe { exit(outer) };
+            unsafe { set_current(std::ptr::null()) };
             assert!(current().is_null());
         };
         check(0x1000, 0x2000);
@@ -282,10 +282,10 @@ mod tests {
     fn the_thread_id_word_is_per_thread() {
         set_thread_id(41);
         assert_eq!(thread_id_word(), 41);
-        assert_eq!(enter(std::ptr::null()).thread, 41);
         std::thread::spawn(|| assert_eq!(thread_id_word(), 0))
             .join()
             .unwrap();
         assert_eq!(thread_id_word(), 41);
+        assert!(current().is_null(), "the two words are separate");
     }
 }

@@ -445,5 +445,13 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
             current().is_none(),
             "the failed run left the thread outside any fiber"
         );
+        // Its stack went back to the pool during the unwind: a new function
+        // is refused with a clear error, and the fiber stays as it was.
+        match fiber.set_function(Priority::NORMAL, || ()) {
+            Err(e @ FiberError::NoStack(_)) => assert!(e.to_string().contains("create a new fiber"), "{e}"),
+            other => panic!("set_function on a fiber without a stack gave {other:?}"),
+        }
+        assert_eq!(fiber.state(), FiberState::Finished);
+        assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
     });
 }
