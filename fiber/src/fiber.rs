@@ -401,7 +401,10 @@ impl<T: Send + 'static> Fiber<T> {
     /// Any handle may call `run`; a compare-and-swap on the fiber's state
     /// makes sure only one caller runs it at a time. A caller that owns the
     /// only handle can use [`run_mut`](Fiber::run_mut), which skips it.
-    #[inline]
+    // Always inlined: a library frame live across the stack switch costs a
+    // mispredicted return on every round trip, and LLVM judges the body
+    // too large to inline on its own (DESIGN.md, "Claiming a fiber").
+    #[inline(always)]
     pub fn run(&self) -> Result<RunOutcome<T>, FiberError> {
         let h = self.header();
         if let Err(found) = h.state.transition(FiberState::Ready, FiberState::Running) {
@@ -428,7 +431,7 @@ impl<T: Send + 'static> Fiber<T> {
     /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Yielded(7)));
     /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Returned(8)));
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn run_mut(&mut self) -> Result<RunOutcome<T>, FiberError> {
         if !self.is_unique() {
             return self.run();
