@@ -78,8 +78,8 @@ fn run_yield_round_trip(c: &mut Criterion) {
     // `thread_local!` behind one non-inlined call on each side (set it
     // before resuming; read it, and put back the previous one, before
     // suspending), out of line because a fiber may resume on another
-    // thread (llvm/llvm-project#98479). This is Spindle's fallback off
-    // x86-64 Linux; there, its accesses are inline asm instead (tls.rs).
+    // thread (llvm/llvm-project#98479). This was Spindle's design before
+    // its accesses became inline asm (tls.rs).
     g.bench_function("corosensei_current_tls", |b| {
         thread_local! {
             static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };

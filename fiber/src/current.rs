@@ -49,12 +49,11 @@ pub(crate) fn enter(h: &Header) -> *const Header {
 }
 
 /// Runner side, once the fiber has switched out (yield, sleep, return,
-/// panic), or if it is not resumed after all: gives the thread back the
-/// fiber that [`enter`] found current.
+/// panic): gives the thread back the fiber that [`enter`] found current.
 ///
 /// # Safety
-/// Called on the thread that made the `enter` that returned `e` (a runner
-/// does not change threads while the fiber it runs is switched in).
+/// Called on the thread that made the `enter` that returned `prev` (a
+/// runner does not change threads while the fiber it runs is switched in).
 #[inline(always)]
 pub(crate) unsafe fn exit(prev: *const Header) {
     // SAFETY: same thread, by the caller's contract.
@@ -274,10 +273,15 @@ impl Waiter {
         self.header().priority.store(p.0, Ordering::Relaxed);
     }
 
-    /// Wakes the fiber (waker step 3 of the protocol). Never blocks, never
-    /// allocates, never panics: a wake for a fiber that is neither asleep
-    /// nor about to sleep (a second waiter of one sleep, or a waiter kept
-    /// after the fiber moved on) is void.
+    /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
+    /// another thread, never allocates, never panics. A wake that finds the
+    /// fiber neither sleeping nor running (it was queued or made ready by
+    /// another wake, or finished) is void. A stale waiter (a second waiter
+    /// of one sleep, or one kept after the fiber moved on) that finds it
+    /// sleeping or running ends its current or next sleep: a spurious
+    /// wakeup, so code that sleeps checks its condition again. If this was
+    /// the last reference to a suspended fiber, dropping it unwinds the
+    /// fiber here, as dropping any last reference does.
     pub fn wake(self) {
         let h = self.header;
         std::mem::forget(self);

@@ -108,7 +108,7 @@ pub enum FiberError {
     /// `set_function` on a fiber that has no stack any more: it was
     /// dropped while suspended, and a destructor that ran during that
     /// unwind kept a reference to it (a `Waiter`), so its stack went back
-    /// to the pool without it.
+    /// to the pool (or was leaked) without it.
     NoStack(FiberId),
     /// The fiber's stack could not be created.
     Stack(StackError),

@@ -310,6 +310,11 @@ impl<T: Send + 'static> Fiber<T> {
     /// has not started yet (which is dropped).
     ///
     /// The function is pinned to the thread that first runs it.
+    ///
+    /// Errors: [`FiberError::Busy`] while a started function is suspended,
+    /// [`FiberError::Running`] or [`FiberError::Queued`] while it runs or
+    /// waits in a queue, and [`FiberError::NoStack`] for a fiber that lost
+    /// its stack when it was dropped mid-function.
     pub fn set_function<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
     where
         F: FnOnce() -> T + Send + 'static,

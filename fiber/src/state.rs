@@ -74,9 +74,8 @@ pub enum WakeTransition {
     /// The fiber had not switched out yet; it was marked `RunningWoken` and
     /// its runner finishes the wake.
     Deferred,
-    /// The fiber is neither asleep nor about to sleep (it was woken already,
-    /// or yielded or returned after publishing the waiter, or the waiter was
-    /// taken outside the sleep protocol): the wake is void.
+    /// The fiber was neither `Sleeping` nor `Running` (queued or ready after
+    /// another wake, finished, or locked by someone): the wake is void.
     Void,
 }
 
@@ -126,13 +125,13 @@ impl StateCell {
     /// Waker step 3 (see DESIGN.md, "sleep/wake protocol"): `Sleeping` →
     /// `Locked`, or `Running` → `RunningWoken`; any other state: void.
     ///
-    /// A wake in another state does not come from the sleep it was meant
-    /// for: a second waiter of one sleep, or a `Waiter` kept after the fiber
-    /// yielded, returned or was woken. Such a wake is void, as a wake that
-    /// arrives for a fiber which then yields is: it must not take down the
-    /// thread that makes it, and it has nothing to wake. (A kept waiter
-    /// woken while the fiber sleeps for another reason does wake it: a
-    /// spurious wakeup, which `spindle-sync`'s wait loop absorbs.)
+    /// A wake in another state cannot end a sleep: it is void, as a wake
+    /// that arrives for a fiber which then yields is, and must not take down
+    /// the thread that makes it. A stale waiter (a second waiter of one
+    /// sleep, or one kept after the fiber moved on) that finds the fiber
+    /// `Sleeping` or `Running` does end its current or next sleep: a
+    /// spurious wakeup, which callers of `sleep` must tolerate by checking
+    /// their condition again (`spindle-sync`'s wait loop does).
     pub fn transition_to_woken(&self) -> WakeTransition {
         let mut cur = self.0.load(Ordering::Acquire);
         loop {

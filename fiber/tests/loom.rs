@@ -25,7 +25,10 @@
 //! * the wait list of `spindle-sync` (a semaphore: tokens, one waiter slot,
 //!   the node's `value`/`done`) and the run queue (a `VecDeque` behind a
 //!   mutex, a condvar for the idle scheduler) are small loom stand-ins that
-//!   follow the numbered steps of `sync/src/wait.rs`.
+//!   follow the numbered steps of `sync/src/wait.rs` for a sleep woken by
+//!   its own node (no stale waiters: the stand-in asserts `done` on resume
+//!   where the real `wait` would sleep again, and a void wake fails the
+//!   model).
 //!
 //! Every execution must end with the fiber finished after all its rounds
 //! (a lost wakeup leaves the scheduler parked: loom reports a deadlock),

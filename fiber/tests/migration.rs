@@ -343,9 +343,9 @@ fn threads_racing_to_run_one_fiber_take_turns() {
 }
 
 /// The library's own thread-local accesses are inlined into the caller (on
-/// x86-64 Linux): here `run` and `current_id` are inlined into a fiber
-/// function that runs a fiber on thread X, moves to thread Y and runs it
-/// again there. Every lookup must see the thread it runs on.
+/// x86-64 Linux): here `run` (always inlined) and `yield_value` put them in
+/// a fiber function that runs a fiber on thread X, moves to thread Y and
+/// runs it again there. Every lookup must see the thread it runs on.
 #[test]
 fn a_migrating_fiber_that_runs_another_fiber_on_both_threads_keeps_current_right() {
     with_watchdog(60, "nested_run_in_a_migrating_fiber", || {

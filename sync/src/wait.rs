@@ -32,7 +32,11 @@
 //! The value and the unlinking happen under the lock, so each sleeper gets
 //! exactly one value and a node is never on a list twice; the state machine
 //! in `spindle-fiber` makes the step-4/step-3 race safe; `done` guards
-//! threads against spurious unparks.
+//! threads against spurious unparks and fibers against spurious wakes (a
+//! `Waiter` of the fiber that it kept from before, woken while it sleeps
+//! here): a fiber resumed before `done` checks again under the lock and
+//! sleeps again. The real wake may then find it queued or running and be
+//! void; its `done` is what the fiber sees.
 
 use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomPinned;
@@ -169,6 +173,27 @@ impl Wakeup {
     }
 }
 
+/// Aborts the process if a waiting frame unwinds while its node is linked.
+///
+/// A fiber being dropped is unwound by force; code that catches that
+/// unwind and then waits on a primitive links a node and sleeps, and the
+/// sleep re-raises the unwind (a dropped fiber cannot sleep). Unwinding
+/// past `wait` would free a node that is still on the list, so the process
+/// aborts instead, as Rust does for a panic during a panic.
+struct Linked<'a>(&'a AtomicBool);
+
+impl Drop for Linked<'_> {
+    fn drop(&mut self) {
+        if !self.0.load(Ordering::Acquire) {
+            eprintln!(
+                "spindle-sync: a fiber was unwound while waiting on a primitive (it caught the \
+                 unwind of its own drop and then blocked); its wait node is still linked, aborting"
+            );
+            std::process::abort();
+        }
+    }
+}
+
 /// Sleeper steps 2 to 5: links a node for the current fiber or thread into
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
 /// a waker hands it a value, and returns that value.
@@ -186,19 +211,29 @@ pub(crate) fn wait<S>(
         unsafe { &*node.sleeper.get() },
         Some(Sleeper::Fiber(_))
     );
+    let mutex = MutexGuard::mutex(&guard);
     // SAFETY: the node is pinned in this frame, and this frame does not
-    // return before the node is unlinked (we wait for `done` below).
+    // return before the node is unlinked (we wait for `done` below), nor
+    // unwind while it is linked (`Linked` aborts first).
     unsafe { list(&mut guard).push_back(&node) };
+    let linked = Linked(&node.done);
     drop(guard);
     if is_fiber {
         // The node's own waiter is only woken after `done` is set. Any other
         // wake is spurious: a `Waiter` the fiber took earlier and kept (the
         // API is public), woken now. The node is still linked and still
-        // holds its waiter, so the fiber simply sleeps again; the real wake
-        // then finds it asleep, or about to sleep (and the sleep returns at
-        // once).
+        // holds its waiter, so the fiber sleeps again; the real wake then
+        // finds it asleep or about to sleep (and its runner queues it), or
+        // finds it queued or running after the spurious wake and is void:
+        // `done` is then already set, which the fiber sees when it checks
+        // under the lock. (Without the lock, that check and the waker's
+        // look at the state could each miss the other's write.)
         loop {
             spindle_fiber::sleep_on(reason);
+            if node.done.load(Ordering::Acquire) {
+                break;
+            }
+            let _locked = mutex.lock();
             if node.done.load(Ordering::Acquire) {
                 break;
             }
@@ -208,5 +243,6 @@ pub(crate) fn wait<S>(
             std::thread::park();
         }
     }
+    std::mem::forget(linked);
     node.value.get()
 }

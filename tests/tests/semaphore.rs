@@ -341,3 +341,72 @@ fn a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup() {
         assert_eq!((sem.available(), sem.waiters()), (0, 0));
     });
 }
+
+/// A fiber that catches the forced unwind of its own drop and then blocks
+/// on a semaphore cannot sleep (the sleep re-raises the unwind), and
+/// unwinding out of the wait would free a node that is still linked: the
+/// process aborts with a message instead. Run in a child process.
+#[test]
+fn blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node() {
+    const CHILD: &str = "SPINDLE_TEST_BLOCK_WHILE_DROPPED";
+    let name = "blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node";
+    if std::env::var(CHILD).is_ok() {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(spindle_fiber::yield_now));
+            s.acquire();
+            "unreachable"
+        });
+        assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
+        drop(f); // forced unwind: caught, then `acquire` blocks
+        sem.release(1);
+        eprintln!("the drop returned");
+        return;
+    }
+    watchdog(name, 60, move |_| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("running the child test process");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        use std::os::unix::process::ExitStatusExt;
+        // SIGABRT (6): the deliberate abort, not a crash in freed memory.
+        assert_eq!(out.status.signal(), Some(6), "the child should abort:\n{stderr}");
+        assert!(stderr.contains("wait node is still linked, aborting"), "{stderr}");
+        assert!(!stderr.contains("the drop returned"), "{stderr}");
+    });
+}
+
+/// The other order: a kept waiter wakes the sleeping fiber, and the real
+/// release comes while the fiber is still queued from that wake, so the
+/// real wake is void. The fiber must still see its token when it runs.
+#[test]
+fn a_real_release_while_the_fiber_is_queued_by_a_stale_wake_is_not_lost() {
+    use spindle_fiber::Waiter;
+    watchdog("a_real_release_while_the_fiber_is_queued_by_a_stale_wake_is_not_lost", 30, |_| {
+        let sem = Arc::new(Semaphore::new(0));
+        let stash: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
+        let queue = RunQueue::<&'static str>::new(4);
+        let (s, st) = (sem.clone(), stash.clone());
+        let f = fiber(Priority::NORMAL, move || {
+            *st.lock().unwrap() = Waiter::current();
+            s.acquire();
+            "acquired"
+        });
+        queue.try_push(f.clone()).unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+
+        stash.lock().unwrap().take().expect("the fiber stashed a waiter").wake();
+        assert_eq!(f.state(), FiberState::Queued);
+        sem.release(1);
+        assert_eq!(queue.len(), 1, "the real wake found the fiber queued: void");
+        assert_eq!((sem.available(), sem.waiters()), (0, 0), "the token went to the fiber's node");
+
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("acquired"))), "{:?}", ran.outcome);
+        assert!(queue.is_empty());
+    });
+}
