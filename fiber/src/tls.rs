@@ -95,21 +95,29 @@ mod imp {
     // (the stack switch next to them clobbers everything anyway), so this
     // costs nothing measurable.
 
+    /// One access to this thread's words: the descriptor call, then the
+    /// given instructions with the block's offset in rax, then the given
+    /// operands. Every access goes through here, so the sequence, the
+    /// anchor and the clobbers are written once.
+    macro_rules! words_asm {
+        ($($insn:literal),+; $($operands:tt)*) => {
+            std::arch::asm!(
+                "lea rax, [rip + {a}.words@TLSDESC]",
+                "call qword ptr [rax + {a}.words@TLSCALL]",
+                $($insn,)+
+                a = sym anchor,
+                $($operands)*
+                clobber_abi("C"),
+            )
+        };
+    }
+
     /// The fiber running on this thread, or null.
     #[inline(always)]
     pub(crate) fn current() -> *const Header {
         let h: *const Header;
         // SAFETY: reads this thread's current-fiber word (see above).
-        unsafe {
-            std::arch::asm!(
-                "lea rax, [rip + {a}.words@TLSDESC]",
-                "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov rax, qword ptr fs:[rax]",
-                a = sym anchor,
-                out("rax") h,
-                clobber_abi("C"),
-            );
-        }
+        unsafe { words_asm!("mov rax, qword ptr fs:[rax]"; out("rax") h,) };
         h
     }
 
@@ -123,18 +131,12 @@ mod imp {
         // concerns vector registers only); rax and rdx are early outputs,
         // so `h` is in neither.
         unsafe {
-            std::arch::asm!(
-                "lea rax, [rip + {a}.words@TLSDESC]",
-                "call qword ptr [rax + {a}.words@TLSCALL]",
+            words_asm!(
                 "mov rdx, qword ptr fs:[rax]",
-                "mov qword ptr fs:[rax], {h}",
-                a = sym anchor,
-                h = in(reg) h,
-                out("rdx") prev,
-                out("rax") _,
-                clobber_abi("C"),
-            );
-        }
+                "mov qword ptr fs:[rax], {h}";
+                h = in(reg) h, out("rdx") prev, out("rax") _,
+            )
+        };
         prev
     }
 
@@ -148,17 +150,7 @@ mod imp {
     pub(crate) unsafe fn set_current(h: *const Header) {
         // SAFETY: writes this thread's current-fiber word (see above; `h`
         // is read after the call, as in `swap_current`).
-        unsafe {
-            std::arch::asm!(
-                "lea rax, [rip + {a}.words@TLSDESC]",
-                "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov qword ptr fs:[rax], {h}",
-                a = sym anchor,
-                h = in(reg) h,
-                out("rax") _,
-                clobber_abi("C"),
-            );
-        }
+        unsafe { words_asm!("mov qword ptr fs:[rax], {h}"; h = in(reg) h, out("rax") _,) };
     }
 
     /// This thread's id word: 0 until [`set_thread_id`].
@@ -166,33 +158,15 @@ mod imp {
     pub(crate) fn thread_id_word() -> u64 {
         let id: u64;
         // SAFETY: reads this thread's id word (see above).
-        unsafe {
-            std::arch::asm!(
-                "lea rax, [rip + {a}.words@TLSDESC]",
-                "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov rax, qword ptr fs:[rax + 8]",
-                a = sym anchor,
-                out("rax") id,
-                clobber_abi("C"),
-            );
-        }
+        unsafe { words_asm!("mov rax, qword ptr fs:[rax + 8]"; out("rax") id,) };
         id
     }
 
     /// Sets this thread's id word.
     pub(crate) fn set_thread_id(id: u64) {
-        // SAFETY: writes this thread's id word (see above).
-        unsafe {
-            std::arch::asm!(
-                "lea rax, [rip + {a}.words@TLSDESC]",
-                "call qword ptr [rax + {a}.words@TLSCALL]",
-                "mov qword ptr fs:[rax + 8], {id}",
-                a = sym anchor,
-                id = in(reg) id,
-                out("rax") _,
-                clobber_abi("C"),
-            );
-        }
+        // SAFETY: writes this thread's id word (see above; `id` is read
+        // after the call, as in `swap_current`).
+        unsafe { words_asm!("mov qword ptr fs:[rax + 8], {id}"; id = in(reg) id, out("rax") _,) };
     }
 }
 

@@ -303,24 +303,32 @@ fn two_fibers_ping_pong_on_one_thread() {
     });
 }
 
+/// An empty semaphore, a queue holding one fiber that keeps a `Waiter` of
+/// its own in the stash and then acquires a token, and the fiber.
+fn acquirer_that_keeps_a_waiter(
+) -> (Arc<Semaphore>, Arc<Mutex<Option<spindle_fiber::Waiter>>>, RunQueue<&'static str>, Fiber<&'static str>)
+{
+    let sem = Arc::new(Semaphore::new(0));
+    let stash = Arc::new(Mutex::new(None));
+    let queue = RunQueue::<&'static str>::new(4);
+    let (s, st) = (sem.clone(), stash.clone());
+    let f = fiber(Priority::NORMAL, move || {
+        *st.lock().unwrap() = spindle_fiber::Waiter::current();
+        s.acquire();
+        "acquired"
+    });
+    queue.try_push(f.clone()).unwrap();
+    (sem, stash, queue, f)
+}
+
 /// A `Waiter` the fiber took earlier and kept (the API is public) may be
 /// woken while the fiber sleeps in `acquire`: a spurious wakeup. The fiber
 /// must go back to sleep with its wait node still linked, and take the
 /// token when it is really released.
 #[test]
 fn a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup() {
-    use spindle_fiber::Waiter;
     watchdog("a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup", 30, |stage| {
-        let sem = Arc::new(Semaphore::new(0));
-        let stash: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
-        let queue = RunQueue::<&'static str>::new(4);
-        let (s, st) = (sem.clone(), stash.clone());
-        let f = fiber(Priority::NORMAL, move || {
-            *st.lock().unwrap() = Waiter::current();
-            s.acquire();
-            "acquired"
-        });
-        queue.try_push(f.clone()).unwrap();
+        let (sem, stash, queue, f) = acquirer_that_keeps_a_waiter();
 
         stage.set("first run: the fiber should go to sleep in acquire");
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
@@ -385,18 +393,8 @@ fn blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node() {
 /// real wake is void. The fiber must still see its token when it runs.
 #[test]
 fn a_real_release_while_the_fiber_is_queued_by_a_stale_wake_is_not_lost() {
-    use spindle_fiber::Waiter;
     watchdog("a_real_release_while_the_fiber_is_queued_by_a_stale_wake_is_not_lost", 30, |_| {
-        let sem = Arc::new(Semaphore::new(0));
-        let stash: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
-        let queue = RunQueue::<&'static str>::new(4);
-        let (s, st) = (sem.clone(), stash.clone());
-        let f = fiber(Priority::NORMAL, move || {
-            *st.lock().unwrap() = Waiter::current();
-            s.acquire();
-            "acquired"
-        });
-        queue.try_push(f.clone()).unwrap();
+        let (sem, stash, queue, f) = acquirer_that_keeps_a_waiter();
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
 
         stash.lock().unwrap().take().expect("the fiber stashed a waiter").wake();
