@@ -303,11 +303,12 @@ fn two_fibers_ping_pong_on_one_thread() {
     });
 }
 
+/// Where a fiber keeps a `Waiter` of its own.
+type Stash = Arc<Mutex<Option<spindle_fiber::Waiter>>>;
+
 /// An empty semaphore, a queue holding one fiber that keeps a `Waiter` of
 /// its own in the stash and then acquires a token, and the fiber.
-fn acquirer_that_keeps_a_waiter(
-) -> (Arc<Semaphore>, Arc<Mutex<Option<spindle_fiber::Waiter>>>, RunQueue<&'static str>, Fiber<&'static str>)
-{
+fn acquirer_that_keeps_a_waiter() -> (Arc<Semaphore>, Stash, RunQueue<&'static str>, Fiber<&'static str>) {
     let sem = Arc::new(Semaphore::new(0));
     let stash = Arc::new(Mutex::new(None));
     let queue = RunQueue::<&'static str>::new(4);
