@@ -509,51 +509,56 @@ fn channel_ping_pong_2threads(c: &mut Criterion) {
 
     g.bench_function("crossbeam_channel_threads", |b| {
         b.iter_custom(|iters| {
-            let (tx, ping_rx) = crossbeam_channel::unbounded::<u64>();
-            let (pong_tx, rx) = crossbeam_channel::unbounded::<u64>();
-            std::thread::scope(|s| {
-                s.spawn(move || {
-                    for _ in 0..iters {
-                        let v = ping_rx.recv().unwrap();
-                        pong_tx.send(v + 1).unwrap();
-                    }
-                });
-                let start = Instant::now();
-                let mut v = 0;
-                for _ in 0..iters {
-                    tx.send(v).unwrap();
-                    v = rx.recv().unwrap();
-                }
-                assert_eq!(v, iters);
-                start.elapsed()
-            })
+            threads_ping_pong(
+                iters,
+                crossbeam_channel::unbounded::<u64>,
+                |tx, v| tx.send(v).unwrap(),
+                |rx| rx.recv().unwrap(),
+            )
         });
     });
 
     g.bench_function("std_mpsc_threads", |b| {
         b.iter_custom(|iters| {
-            let (tx, ping_rx) = std::sync::mpsc::channel::<u64>();
-            let (pong_tx, rx) = std::sync::mpsc::channel::<u64>();
-            std::thread::scope(|s| {
-                s.spawn(move || {
-                    for _ in 0..iters {
-                        let v = ping_rx.recv().unwrap();
-                        pong_tx.send(v + 1).unwrap();
-                    }
-                });
-                let start = Instant::now();
-                let mut v = 0;
-                for _ in 0..iters {
-                    tx.send(v).unwrap();
-                    v = rx.recv().unwrap();
-                }
-                assert_eq!(v, iters);
-                start.elapsed()
-            })
+            threads_ping_pong(
+                iters,
+                std::sync::mpsc::channel::<u64>,
+                |tx, v| tx.send(v).unwrap(),
+                |rx| rx.recv().unwrap(),
+            )
         });
     });
 
     g.finish();
+}
+
+/// `iters` round trips between this thread and a scoped one over two
+/// channels made by `channel`: a value goes out, comes back one higher.
+fn threads_ping_pong<S: Send, R: Send>(
+    iters: u64,
+    channel: impl Fn() -> (S, R),
+    send: impl Fn(&S, u64) + Sync,
+    recv: impl Fn(&R) -> u64 + Sync,
+) -> Duration {
+    let (tx, ping_rx) = channel();
+    let (pong_tx, rx) = channel();
+    let (send, recv) = (&send, &recv);
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for _ in 0..iters {
+                let v = recv(&ping_rx);
+                send(&pong_tx, v + 1);
+            }
+        });
+        let start = Instant::now();
+        let mut v = 0;
+        for _ in 0..iters {
+            send(&tx, v);
+            v = recv(&rx);
+        }
+        assert_eq!(v, iters);
+        start.elapsed()
+    })
 }
 
 fn yield_alternation(c: &mut Criterion) {
