@@ -350,7 +350,7 @@ pub fn sleep_on(reason: &'static WaitReason) {
     let yielder = yielder_of(h);
     hr.sleep_request.store(true, Ordering::Relaxed);
     // SAFETY: as in `yield_value`.
-    unsafe { (*yielder).suspend(0) };
+    unsafe { (*yielder).suspend(crate::fiber::SLEEP_SIGNAL) };
 }
 
 /// The scheduler word of the fiber running on this thread (see

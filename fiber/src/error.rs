@@ -6,7 +6,11 @@ use std::io;
 use crate::FiberId;
 
 /// Why a stack could not be created.
-#[derive(Debug)]
+///
+/// `Copy`, like [`FiberError`]: an error holds no allocation, so dropping
+/// a `Result` of [`Fiber::run`](crate::Fiber::run) costs nothing when it
+/// is not a panic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StackError {
     /// The requested usable size is below what a fiber needs.
@@ -32,17 +36,28 @@ pub enum StackError {
     Map {
         /// Bytes of the mapping, guard page included.
         bytes: usize,
-        /// The operating system's error.
-        source: io::Error,
+        /// The operating system's error number (`errno`); see
+        /// [`os_error`](StackError::os_error).
+        errno: i32,
     },
 }
 
 impl StackError {
     pub(crate) fn from_map_error(bytes: usize, source: io::Error) -> StackError {
-        if source.raw_os_error() == Some(libc::ENOMEM) {
-            StackError::OutOfMemory { bytes }
-        } else {
-            StackError::Map { bytes, source }
+        match source.raw_os_error() {
+            Some(libc::ENOMEM) => StackError::OutOfMemory { bytes },
+            errno => StackError::Map {
+                bytes,
+                errno: errno.unwrap_or(0),
+            },
+        }
+    }
+
+    /// The operating system's error, for [`StackError::Map`].
+    pub fn os_error(&self) -> Option<io::Error> {
+        match *self {
+            StackError::Map { errno, .. } => Some(io::Error::from_raw_os_error(errno)),
+            _ => None,
         }
     }
 }
@@ -67,25 +82,20 @@ impl fmt::Display for StackError {
                  vm.max_map_count limit of 65,530: raise it (sysctl vm.max_map_count), keep fewer \
                  fibers alive at once, or use smaller stacks"
             ),
-            StackError::Map { bytes, source } => {
-                write!(f, "could not map a {bytes}-byte fiber stack: {source}")
-            }
+            StackError::Map { bytes, errno } => write!(
+                f,
+                "could not map a {bytes}-byte fiber stack: {}",
+                io::Error::from_raw_os_error(*errno)
+            ),
         }
     }
 }
 
-impl std::error::Error for StackError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            StackError::Map { source, .. } => Some(source),
-            _ => None,
-        }
-    }
-}
+impl std::error::Error for StackError {}
 
 /// Why a fiber operation was refused. The fiber is left as it was (except
 /// that `run` marks a fiber whose function was unwound on drop `Finished`).
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FiberError {
     /// `run` on a fiber that has no function.

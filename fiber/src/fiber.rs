@@ -21,10 +21,14 @@ use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
 use crate::state::{FiberState, SleepTransition, StateCell};
 use crate::Priority;
 
-/// What a fiber hands its runner when it suspends: the yielded value. A
-/// sleep is told apart by the header's `sleep_request` flag, so the value
-/// fits in a register across the switch.
+/// What a fiber hands its runner when it suspends: the yielded value, so
+/// that it travels in a register across the switch. A sleep suspends with
+/// `SLEEP_SIGNAL` and sets the header's `sleep_request` flag: the runner
+/// reads the flag only when it sees that value (a plain yield of it is
+/// still a yield), so the common case tests a register, not memory.
 pub(crate) type Yielder = corosensei::Yielder<(), usize>;
+/// The value a sleeping fiber suspends with (see [`Yielder`]).
+pub(crate) const SLEEP_SIGNAL: usize = usize::MAX - 0x51ee;
 /// The coroutine returns the function's value, or the payload of a panic
 /// caught at the fiber's root.
 type Coro<T> = Coroutine<(), usize, std::thread::Result<T>, FiberStack>;
@@ -188,9 +192,9 @@ struct Slot<T> {
     home: Option<Arc<dyn Schedule<T>>>,
     /// May the current function run on another thread than its first?
     migratable: bool,
-    /// Thread of the current function's last run (0: not started). A
-    /// pinned fiber's function only ever runs there; whenever it is not 0
-    /// it equals the header's `last_thread`.
+    /// Thread of the current function's last run (`NO_PIN`: not started).
+    /// A pinned fiber's function only ever runs there; whenever it is not
+    /// `NO_PIN` it equals the header's `last_thread`.
     pin: u64,
     pool: &'static StackPool,
 }
@@ -298,7 +302,7 @@ impl<T: Send + 'static> Fiber<T> {
                 stack: Some(stack),
                 home: None,
                 migratable: false,
-                pin: 0,
+                pin: NO_PIN,
                 pool: attr.pool,
             }),
         });
@@ -391,7 +395,7 @@ impl<T: Send + 'static> Fiber<T> {
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
         slot.migratable = migratable;
-        slot.pin = 0;
+        slot.pin = NO_PIN;
         h.priority.store(priority.0, Ordering::Relaxed);
         h.state.store(FiberState::Ready);
         Ok(())
@@ -483,10 +487,10 @@ impl<T: Send + 'static> Fiber<T> {
             h.state.store(FiberState::Finished);
             return Err(FiberError::Finished(h.id));
         };
-        // `pin` is the thread of this function's last run (0: none yet), and
-        // then also `last_thread`: one compare covers the common case.
-        let me = thread_id();
-        if slot.pin != me && !change_thread(h, &mut slot.pin, slot.migratable, me) {
+        // `pin` is the thread of this function's last run (`NO_PIN`: none
+        // yet), and then also `last_thread`: one compare covers the common
+        // case (a thread with no id yet reads 0, which is never a pin).
+        if slot.pin != crate::tls::thread_id_word() && !change_thread(h, &mut slot.pin, slot.migratable) {
             h.state.store(FiberState::Ready);
             return Err(FiberError::WrongThread(h.id));
         }
@@ -500,44 +504,75 @@ impl<T: Send + 'static> Fiber<T> {
         // SAFETY: a runner does not change threads while the fiber is in.
         unsafe { exit(prev) };
 
+        // The common case (a plain yield) is a register compare; sleeps,
+        // returns and panics are handled out of line, which keeps the
+        // caller's loop around `run` from spilling (DESIGN.md, "Claiming
+        // a fiber to run it"). Every outcome is built here, not in a called
+        // function, so that it stays in registers.
         Ok(match result {
-            CoroutineResult::Yield(v) if !h.sleep_request.load(Ordering::Relaxed) => {
+            CoroutineResult::Yield(v) if v != SLEEP_SIGNAL => {
                 h.state.transition_to_yielded();
                 RunOutcome::Yielded(v)
             }
-            CoroutineResult::Yield(_) => {
-                // Set by `sleep_on` on this thread just before the switch.
-                h.sleep_request.store(false, Ordering::Relaxed);
-                Counters::bump(&h.counters.sleeps);
-                match h.state.transition_to_sleeping() {
-                    SleepTransition::Asleep => {}
-                    // A waker came between the fiber publishing its waiter
-                    // and the switch: finish the wake for it (runner step 5).
-                    // SAFETY: we hold the state `Locked`.
-                    SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
-                }
-                RunOutcome::Slept
-            }
+            CoroutineResult::Yield(v) => match self.switched_out_to_sleep() {
+                true => RunOutcome::Slept,
+                false => RunOutcome::Yielded(v),
+            },
             CoroutineResult::Return(Ok(v)) => {
-                self.finish(slot);
+                self.finish();
                 RunOutcome::Returned(v)
             }
             CoroutineResult::Return(Err(payload)) => {
-                self.finish(slot);
-                RunOutcome::Panicked(Box::new(Panic {
-                    fiber: h.id,
-                    name: h.name.clone(),
-                    payload,
-                }))
+                self.finish();
+                RunOutcome::Panicked(self.panic_report(payload))
             }
         })
     }
 
-    fn finish(&self, slot: &mut Slot<T>) {
+    /// After the fiber suspended with `SLEEP_SIGNAL`: whether it went to
+    /// sleep (else it yielded that value).
+    #[cold]
+    #[inline(never)]
+    fn switched_out_to_sleep(&self) -> bool {
+        let h = self.header();
+        if !h.sleep_request.load(Ordering::Relaxed) {
+            h.state.transition_to_yielded();
+            return false;
+        }
+        // Set by `sleep_on` on this thread just before the switch.
+        h.sleep_request.store(false, Ordering::Relaxed);
+        Counters::bump(&h.counters.sleeps);
+        match h.state.transition_to_sleeping() {
+            SleepTransition::Asleep => {}
+            // A waker came between the fiber publishing its waiter and the
+            // switch: finish the wake for it (runner step 5).
+            // SAFETY: we hold the state `Locked`.
+            SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
+        }
+        true
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn panic_report(&self, payload: Box<dyn Any + Send>) -> Box<Panic> {
+        let h = self.header();
+        Box::new(Panic {
+            fiber: h.id,
+            name: h.name.clone(),
+            payload,
+        })
+    }
+
+    /// The function returned or panicked: its stack goes back to the slot.
+    #[cold]
+    #[inline(never)]
+    fn finish(&self) {
+        // SAFETY: we still hold the state `Running`.
+        let slot = unsafe { self.slot() };
         Counters::bump(&self.header().counters.ends);
         let coro = slot.coro.take().expect("finished fiber had a coroutine");
         slot.stack = Some(coro.into_stack());
-        slot.pin = 0;
+        slot.pin = NO_PIN;
         self.header()
             .yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -756,15 +791,20 @@ impl<T> Drop for Fiber<T> {
     }
 }
 
-/// A run on thread `me`, which did not make this function's last run (or
-/// the function's first run): refused for a pinned function that has run
+/// A pinned function's slot before its first run.
+const NO_PIN: u64 = u64::MAX;
+
+/// A run on a thread that did not make this function's last run (or the
+/// function's first run): refused for a pinned function that has run
 /// already (false); otherwise counted as a migration if the fiber's last
 /// run, of any function, was on another thread, and remembered.
-#[inline]
-fn change_thread(h: &Header, pin: &mut u64, migratable: bool, me: u64) -> bool {
-    if *pin != 0 && !migratable {
+#[cold]
+#[inline(never)]
+fn change_thread(h: &Header, pin: &mut u64, migratable: bool) -> bool {
+    if *pin != NO_PIN && !migratable {
         return false;
     }
+    let me = thread_id();
     let last = h.last_thread.load(Ordering::Relaxed);
     if last != me {
         if last != 0 {

@@ -31,6 +31,12 @@ fn a_zero_stack_size_is_too_small() {
     // The stack error is the source, for error reporters that walk the chain.
     let source = err.source().expect("FiberError::Stack has a source");
     assert!(source.downcast_ref::<StackError>().is_some());
+    // Errors are plain values: copied, compared, no allocation to drop
+    // (so dropping a `run` result is free unless it holds a panic).
+    let copy = err;
+    assert_eq!(copy, err);
+    assert!(!std::mem::needs_drop::<FiberError>());
+    assert!(!std::mem::needs_drop::<StackError>());
 
     // Just below the minimum is refused too; the minimum itself is accepted.
     let below = Fiber::<()>::new(FiberAttr::new().stack_size(minimum - 1)).unwrap_err();

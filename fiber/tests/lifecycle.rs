@@ -211,6 +211,35 @@ fn yield_from_deep_in_the_call_stack() {
     });
 }
 
+/// Every value comes back as a yield, with `run` and `run_mut`, including
+/// the values near `usize::MAX` (a sleep suspends with one of them
+/// internally and is told apart by a flag, not by the value alone).
+#[test]
+fn every_yielded_value_comes_back_as_a_yield() {
+    with_watchdog(30, "every_yielded_value", || {
+        let values: Vec<usize> = (0..=0x1_0000).map(|d| usize::MAX - d).chain([0, 1, 2]).collect();
+        let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let to_yield = values.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                for v in to_yield {
+                    yield_value(v);
+                }
+            })
+            .unwrap();
+        for (i, &want) in values.iter().enumerate() {
+            let got = if i % 2 == 0 { fiber.run() } else { fiber.run_mut() };
+            match got.unwrap() {
+                RunOutcome::Yielded(v) => assert_eq!(v, want),
+                other => panic!("yield of {want:#x} came back as {other:?}"),
+            }
+        }
+        assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Returned(())));
+        let stats = fiber.stats();
+        assert_eq!((stats.yields, stats.sleeps), (values.len() as u64, 0));
+    });
+}
+
 #[test]
 fn locals_survive_suspension_and_the_return_value_is_typed() {
     with_watchdog(30, "locals_survive", || {
