@@ -123,8 +123,20 @@ fn timed_wait(d: Duration, reason: &'static WaitReason) -> Option<bool> {
             waiter.wake();
         }
     }
-    spindle_fiber::sleep_on(reason);
-    let timed_out = task.sleep.lock().timed_out;
+    let timed_out = loop {
+        spindle_fiber::sleep_on(reason);
+        let slot = task.sleep.lock();
+        // Every wake that ends this sleep (the timer, `JoinHandle::wake`,
+        // a cancel, shutdown) takes the waiter out of the slot under this
+        // lock first. Finding it still there, the wake came through some
+        // other `Waiter` of this fiber (a stale one, kept by a
+        // synchronisation primitive or a user): spurious, so sleep again.
+        // The waiter stays published, so a real wake from here on finds
+        // the fiber running (and is deferred to its next sleep) or asleep.
+        if slot.waiter.is_none() {
+            break slot.timed_out;
+        }
+    };
     check_cancel();
     Some(timed_out)
 }

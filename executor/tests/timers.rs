@@ -153,3 +153,52 @@ fn yield_timeout_repeated_wakeups() {
         assert_eq!(rounds.load(Ordering::SeqCst), ROUNDS);
     });
 }
+
+/// A wake through a stale `Waiter` (one taken outside the sleep, as a
+/// synchronisation primitive may keep one) is spurious for `sleep` and
+/// `yield_timeout`: only the timer, `JoinHandle::wake`, a cancel or
+/// shutdown end them. Here the fiber wakes a waiter of itself just before
+/// it waits, so the wake arrives while it is still running.
+#[test]
+fn a_stale_wake_before_the_wait_does_not_end_it() {
+    watchdog("a_stale_wake_before_the_wait_does_not_end_it", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("yield_timeout after a wake of a stale waiter");
+        let timed_out = exec
+            .block_on(|| {
+                spindle_fiber::Waiter::current().unwrap().wake();
+                yield_timeout(Duration::from_millis(20))
+            })
+            .unwrap();
+        assert!(timed_out, "the stale wake ended the wait instead of the timer");
+        stage.set("sleep after a wake of a stale waiter");
+        let slept = exec
+            .block_on(|| {
+                let start = Instant::now();
+                spindle_fiber::Waiter::current().unwrap().wake();
+                sleep(Duration::from_millis(20));
+                start.elapsed()
+            })
+            .unwrap();
+        assert!(slept >= Duration::from_millis(20), "the stale wake cut the sleep to {slept:?}");
+    });
+}
+
+/// The same with the stale wake coming from another thread, before or
+/// during the wait (whichever it is, the wait ends only by its timer).
+#[test]
+fn a_stale_wake_from_another_thread_does_not_end_the_wait() {
+    watchdog("a_stale_wake_from_another_thread", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        for round in 0..20 {
+            stage.set(format!("round {round}: a thread wakes a stale waiter of a waiting fiber"));
+            let (tx, rx) = std::sync::mpsc::channel();
+            let h = exec.spawn(move || {
+                tx.send(spindle_fiber::Waiter::current().unwrap()).unwrap();
+                yield_timeout(Duration::from_millis(5))
+            });
+            rx.recv().unwrap().wake();
+            assert!(h.join().unwrap(), "round {round}: the stale wake ended the wait");
+        }
+    });
+}
