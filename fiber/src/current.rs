@@ -48,6 +48,13 @@ pub(crate) fn enter(h: &Header) -> *const Header {
     tls::swap_current(h)
 }
 
+/// [`enter`], also returning this thread's id word (0 if the thread has no
+/// id yet: see [`thread_id`]), in one thread-local access.
+#[inline(always)]
+pub(crate) fn enter_on_thread(h: &Header) -> (*const Header, u64) {
+    tls::swap_current_read_thread_id(h)
+}
+
 /// Runner side, once the fiber has switched out (yield, sleep, return,
 /// panic): gives the thread back the fiber that [`enter`] found current.
 ///

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
 
-use crate::current::{enter, exit, thread_id};
+use crate::current::{enter, enter_on_thread, exit, thread_id};
 use crate::error::FiberError;
 use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
 use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
@@ -487,18 +487,24 @@ impl<T: Send + 'static> Fiber<T> {
             h.state.store(FiberState::Finished);
             return Err(FiberError::Finished(h.id));
         };
+        // Make this fiber current (the overflow handler then knows whose
+        // guard page to check) and read the thread's id in the same access.
+        let (prev, me) = enter_on_thread(h);
         // `pin` is the thread of this function's last run (`NO_PIN`: none
         // yet), and then also `last_thread`: one compare covers the common
         // case (a thread with no id yet reads 0, which is never a pin).
-        if slot.pin != crate::tls::thread_id_word() && !change_thread(h, &mut slot.pin, slot.migratable) {
-            h.state.store(FiberState::Ready);
-            return Err(FiberError::WrongThread(h.id));
+        if slot.pin != me {
+            // Out of line, and given nothing but `self`: a pointer into the
+            // slot passed from here would be kept live across the caller's
+            // loop (and spilled) instead of recomputed.
+            // SAFETY: we hold the state `Running`.
+            if let Err(e) = unsafe { self.change_thread() } {
+                // SAFETY: the thread of `enter_on_thread`.
+                unsafe { exit(prev) };
+                return Err(e);
+            }
         }
         Counters::bump(&h.counters.runs);
-        // Nothing can fail from here on: make this fiber current (the
-        // overflow handler then knows whose guard page to check, which is
-        // why this comes last before the switch).
-        let prev = enter(h);
         let result = coro.resume(());
         // Back on the runner's stack and thread, whatever the fiber did.
         // SAFETY: a runner does not change threads while the fiber is in.
@@ -527,6 +533,36 @@ impl<T: Send + 'static> Fiber<T> {
                 RunOutcome::Panicked(self.panic_report(payload))
             }
         })
+    }
+
+    /// A run on a thread that did not make this function's last run (or
+    /// the function's first run): refused for a pinned function that has
+    /// run already (the state goes back to `Ready`); otherwise counted as a
+    /// migration if the fiber's last run, of any function, was on another
+    /// thread, and remembered.
+    ///
+    /// # Safety
+    /// The caller holds the state `Running`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn change_thread(&self) -> Result<(), FiberError> {
+        let h = self.header();
+        // SAFETY: the caller holds the state `Running`.
+        let slot = unsafe { self.slot() };
+        if slot.pin != NO_PIN && !slot.migratable {
+            h.state.store(FiberState::Ready);
+            return Err(FiberError::WrongThread(h.id));
+        }
+        let me = thread_id();
+        let last = h.last_thread.load(Ordering::Relaxed);
+        if last != me {
+            if last != 0 {
+                Counters::bump(&h.counters.migrations);
+            }
+            h.last_thread.store(me, Ordering::Relaxed);
+        }
+        slot.pin = me;
+        Ok(())
     }
 
     /// After the fiber suspended with `SLEEP_SIGNAL`: whether it went to
@@ -791,30 +827,9 @@ impl<T> Drop for Fiber<T> {
     }
 }
 
-/// A pinned function's slot before its first run.
+/// `Slot::pin` of a function that has not run yet: never a thread id, and
+/// not the 0 that a thread without an id reads either.
 const NO_PIN: u64 = u64::MAX;
-
-/// A run on a thread that did not make this function's last run (or the
-/// function's first run): refused for a pinned function that has run
-/// already (false); otherwise counted as a migration if the fiber's last
-/// run, of any function, was on another thread, and remembered.
-#[cold]
-#[inline(never)]
-fn change_thread(h: &Header, pin: &mut u64, migratable: bool) -> bool {
-    if *pin != NO_PIN && !migratable {
-        return false;
-    }
-    let me = thread_id();
-    let last = h.last_thread.load(Ordering::Relaxed);
-    if last != me {
-        if last != 0 {
-            Counters::bump(&h.counters.migrations);
-        }
-        h.last_thread.store(me, Ordering::Relaxed);
-    }
-    *pin = me;
-    true
-}
 
 /// Drops one strong reference. If it is the last one and the fiber is
 /// suspended mid-function, the stack is unwound first, while the reference

@@ -46,7 +46,9 @@
 //! Either way the words are plain: no destructor, readable from a signal
 //! handler (the overflow report reads the current fiber).
 
-pub(crate) use imp::{current, set_current, set_thread_id, swap_current, thread_id_word};
+pub(crate) use imp::{
+    current, set_current, set_thread_id, swap_current, swap_current_read_thread_id, thread_id_word,
+};
 
 #[cfg(all(
     target_arch = "x86_64",
@@ -140,6 +142,24 @@ mod imp {
         prev
     }
 
+    /// [`swap_current`] and [`thread_id_word`] in one access: the runner's
+    /// step before a switch (one descriptor sequence instead of two).
+    #[inline(always)]
+    pub(crate) fn swap_current_read_thread_id(h: *const Header) -> (*const Header, u64) {
+        let prev: *const Header;
+        let id: u64;
+        // SAFETY: as in `swap_current`; rcx is an early output too.
+        unsafe {
+            words_asm!(
+                "mov rdx, qword ptr fs:[rax]",
+                "mov rcx, qword ptr fs:[rax + 8]",
+                "mov qword ptr fs:[rax], {h}";
+                h = in(reg) h, out("rdx") prev, out("rcx") id, out("rax") _,
+            )
+        };
+        (prev, id)
+    }
+
     /// Makes `h` the current fiber.
     ///
     /// # Safety
@@ -198,6 +218,12 @@ mod imp {
     #[inline(never)]
     pub(crate) fn swap_current(h: *const Header) -> *const Header {
         CURRENT.with(|c| c.replace(h))
+    }
+
+    /// [`swap_current`] and [`thread_id_word`] in one call.
+    #[inline(never)]
+    pub(crate) fn swap_current_read_thread_id(h: *const Header) -> (*const Header, u64) {
+        (CURRENT.with(|c| c.replace(h)), THREAD_ID.with(Cell::get))
     }
 
     /// Makes `h` the current fiber.
