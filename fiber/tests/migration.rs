@@ -204,7 +204,10 @@ fn a_pinned_fiber_refuses_to_run_on_another_thread_and_still_works_on_its_own() 
         );
         // The run made the fiber current before its pin check refused it,
         // and put back what was current (nothing, on this thread).
-        assert!(spindle_fiber::current().is_none(), "a refused run left a fiber current");
+        assert!(
+            spindle_fiber::current().is_none(),
+            "a refused run left a fiber current"
+        );
         let msg = err.to_string();
         assert!(msg.contains("pinned to the thread it started on"), "{msg}");
         assert!(
