@@ -36,7 +36,8 @@ pub enum StackError {
     Map {
         /// Bytes of the mapping, guard page included.
         bytes: usize,
-        /// The operating system's error number (`errno`); see
+        /// The operating system's error number (`errno`; `EINVAL` if the
+        /// arguments were refused before any system call); see
         /// [`os_error`](StackError::os_error).
         errno: i32,
     },
@@ -46,9 +47,11 @@ impl StackError {
     pub(crate) fn from_map_error(bytes: usize, source: io::Error) -> StackError {
         match source.raw_os_error() {
             Some(libc::ENOMEM) => StackError::OutOfMemory { bytes },
+            // Not an OS error: the mapping library refused the arguments
+            // without a system call, which is what EINVAL means for mmap.
             errno => StackError::Map {
                 bytes,
-                errno: errno.unwrap_or(0),
+                errno: errno.unwrap_or(libc::EINVAL),
             },
         }
     }

@@ -478,9 +478,11 @@ impl<T: Send + 'static> Fiber<T> {
     #[inline(always)]
     unsafe fn resume_claimed(&self) -> Result<RunOutcome<T>, FiberError> {
         let h = self.header();
-        // SAFETY: we hold the state `Running`.
-        let slot = unsafe { self.slot() };
-        let Some(coro) = slot.coro.as_mut() else {
+        // Field by field, through the raw pointer: `change_thread` below
+        // reaches `pin` again, which must not invalidate `coro`.
+        let slot = self.slot_ptr();
+        // SAFETY: we hold the state `Running`, so the slot is ours.
+        let Some(coro) = (unsafe { (*slot).coro.as_mut() }) else {
             // Only a fiber whose suspended function was unwound while a
             // destructor kept a reference to it gets here (see `release`):
             // its function is over.
@@ -493,7 +495,8 @@ impl<T: Send + 'static> Fiber<T> {
         // `pin` is the thread of this function's last run (`NO_PIN`: none
         // yet), and then also `last_thread`: one compare covers the common
         // case (a thread with no id yet reads 0, which is never a pin).
-        if slot.pin != me {
+        // SAFETY: as above.
+        if unsafe { (*slot).pin } != me {
             // Out of line, and given nothing but `self`: a pointer into the
             // slot passed from here would be kept live across the caller's
             // loop (and spilled) instead of recomputed.
@@ -547,9 +550,11 @@ impl<T: Send + 'static> Fiber<T> {
     #[inline(never)]
     unsafe fn change_thread(&self) -> Result<(), FiberError> {
         let h = self.header();
-        // SAFETY: the caller holds the state `Running`.
-        let slot = unsafe { self.slot() };
-        if slot.pin != NO_PIN && !slot.migratable {
+        // Field by field: the caller holds a reference to `coro`.
+        let slot = self.slot_ptr();
+        // SAFETY: the caller holds the state `Running`, so the slot is ours.
+        let (pin, migratable) = unsafe { ((*slot).pin, (*slot).migratable) };
+        if pin != NO_PIN && !migratable {
             h.state.store(FiberState::Ready);
             return Err(FiberError::WrongThread(h.id));
         }
@@ -561,7 +566,8 @@ impl<T: Send + 'static> Fiber<T> {
             }
             h.last_thread.store(me, Ordering::Relaxed);
         }
-        slot.pin = me;
+        // SAFETY: as above.
+        unsafe { (*slot).pin = me };
         Ok(())
     }
 
@@ -712,7 +718,14 @@ impl<T> Fiber<T> {
     #[allow(clippy::mut_from_ref)]
     unsafe fn slot(&self) -> &mut Slot<T> {
         // SAFETY: exclusivity is the caller's obligation.
-        unsafe { &mut *self.inner.as_ref().slot.get() }
+        unsafe { &mut *self.slot_ptr() }
+    }
+
+    /// The slot, for field-by-field access where two parts of the code
+    /// hold references to different fields.
+    fn slot_ptr(&self) -> *mut Slot<T> {
+        // SAFETY: the Arc keeps `inner` alive.
+        unsafe { self.inner.as_ref() }.slot.get()
     }
 
     /// For schedulers: `Queued` → `Ready` when taking the fiber out of a

@@ -407,3 +407,48 @@ fn a_migrating_fiber_that_runs_another_fiber_on_both_threads_keeps_current_right
         }
     });
 }
+
+/// A pinned fiber's refused run from inside another fiber, on another
+/// thread: the run made the inner fiber current before its pin check, and
+/// puts the outer one back.
+#[test]
+fn a_refused_run_inside_a_fiber_leaves_that_fiber_current() {
+    with_watchdog(30, "refused_run_nested", || {
+        let pinned = Fiber::new(FiberAttr::new().name("pinned")).unwrap();
+        pinned
+            .set_function(Priority::NORMAL, || {
+                yield_value(1);
+                2
+            })
+            .unwrap();
+        assert!(matches!(pinned.run().unwrap(), RunOutcome::Yielded(1)));
+        let pinned_id = pinned.id();
+
+        let pinned = thread::spawn(move || {
+            let outer = Fiber::new(FiberAttr::new().name("outer")).unwrap();
+            let outer_id = outer.id();
+            outer
+                .set_function(Priority::NORMAL, move || {
+                    let err = pinned.run().unwrap_err();
+                    assert!(
+                        matches!(err, FiberError::WrongThread(id) if id == pinned_id),
+                        "{err:?}"
+                    );
+                    assert_eq!(fiber_now(), Some(outer_id), "the outer fiber is current again");
+                    pinned
+                })
+                .unwrap();
+            let pinned = outer.run().unwrap().unwrap_returned();
+            assert_eq!(
+                fiber_now(),
+                None,
+                "nothing is current on the thread after the outer run"
+            );
+            pinned
+        })
+        .join()
+        .unwrap();
+        // Back on its own thread it finishes.
+        assert_eq!(pinned.run().unwrap().unwrap_returned(), 2);
+    });
+}
