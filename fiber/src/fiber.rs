@@ -501,10 +501,13 @@ impl<T: Send + 'static> Fiber<T> {
             // slot passed from here would be kept live across the caller's
             // loop (and spilled) instead of recomputed.
             // SAFETY: we hold the state `Running`.
-            if let Err(e) = unsafe { self.change_thread() } {
+            if !unsafe { self.change_thread() } {
                 // SAFETY: the thread of `enter_on_thread`.
                 unsafe { exit(prev) };
-                return Err(e);
+                // Built here, not returned by the call: an error written
+                // through a pointer by a called function sends every
+                // outcome of `run` through memory.
+                return Err(FiberError::WrongThread(h.id));
             }
         }
         Counters::bump(&h.counters.runs);
@@ -533,22 +536,26 @@ impl<T: Send + 'static> Fiber<T> {
             }
             CoroutineResult::Return(Err(payload)) => {
                 self.finish();
-                RunOutcome::Panicked(self.panic_report(payload))
+                RunOutcome::Panicked(Box::new(Panic {
+                    fiber: h.id,
+                    name: h.name.clone(),
+                    payload,
+                }))
             }
         })
     }
 
     /// A run on a thread that did not make this function's last run (or
     /// the function's first run): refused for a pinned function that has
-    /// run already (the state goes back to `Ready`); otherwise counted as a
-    /// migration if the fiber's last run, of any function, was on another
-    /// thread, and remembered.
+    /// run already (false; the state goes back to `Ready`); otherwise
+    /// counted as a migration if the fiber's last run, of any function, was
+    /// on another thread, and remembered.
     ///
     /// # Safety
     /// The caller holds the state `Running`.
     #[cold]
     #[inline(never)]
-    unsafe fn change_thread(&self) -> Result<(), FiberError> {
+    unsafe fn change_thread(&self) -> bool {
         let h = self.header();
         // Field by field: the caller holds a reference to `coro`.
         let slot = self.slot_ptr();
@@ -556,7 +563,7 @@ impl<T: Send + 'static> Fiber<T> {
         let (pin, migratable) = unsafe { ((*slot).pin, (*slot).migratable) };
         if pin != NO_PIN && !migratable {
             h.state.store(FiberState::Ready);
-            return Err(FiberError::WrongThread(h.id));
+            return false;
         }
         let me = thread_id();
         let last = h.last_thread.load(Ordering::Relaxed);
@@ -568,7 +575,7 @@ impl<T: Send + 'static> Fiber<T> {
         }
         // SAFETY: as above.
         unsafe { (*slot).pin = me };
-        Ok(())
+        true
     }
 
     /// After the fiber suspended with `SLEEP_SIGNAL`: whether it went to
@@ -592,17 +599,6 @@ impl<T: Send + 'static> Fiber<T> {
             SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
         }
         true
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn panic_report(&self, payload: Box<dyn Any + Send>) -> Box<Panic> {
-        let h = self.header();
-        Box::new(Panic {
-            fiber: h.id,
-            name: h.name.clone(),
-            payload,
-        })
     }
 
     /// The function returned or panicked: its stack goes back to the slot.
