@@ -39,7 +39,9 @@
 //!     build of the crate: two copies of the crate in one program never
 //!     share or clash. It is public (hidden from the docs) so that its
 //!     name is the same in every object file that inlines an access.
-//! * **Elsewhere** (and under loom or miri): `thread_local!`, each access in a small
+//! * **Elsewhere** (and under loom or miri, or with `--cfg
+//!   spindle_portable_tls`, which CI uses to test this path on x86-64):
+//!   `thread_local!`, each access in a small
 //!   `#[inline(never)]` function that does not suspend, so the address is
 //!   computed on each call by the thread that makes it.
 //!
@@ -55,7 +57,8 @@ pub(crate) use imp::{
     target_pointer_width = "64",
     target_os = "linux",
     not(loom),
-    not(miri)
+    not(miri),
+    not(spindle_portable_tls)
 ))]
 mod imp {
     use crate::header::Header;
@@ -195,7 +198,8 @@ mod imp {
     target_pointer_width = "64",
     target_os = "linux",
     not(loom),
-    not(miri)
+    not(miri),
+    not(spindle_portable_tls)
 )))]
 mod imp {
     use std::cell::Cell;
