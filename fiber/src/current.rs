@@ -157,6 +157,28 @@ pub fn in_fiber() -> bool {
     !current_header().is_null()
 }
 
+/// Whether the caller can put its fiber to sleep ([`sleep`], or a wait
+/// on a `spindle-sync` primitive): true inside a fiber's function, false
+/// on an ordinary thread and while the stack of a dropped fiber is being
+/// unwound. Destructors run then with the fiber current, but the fiber
+/// has no runner to come back to: a suspension there only restarts the
+/// unwind. Code that must wait in a destructor (a scope waiting for the
+/// fibers it spawned) blocks the thread instead when this is false.
+///
+/// ```
+/// use spindle_fiber::{may_sleep, Fiber, FiberAttr, Priority};
+///
+/// assert!(!may_sleep()); // an ordinary thread
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// fiber.set_function(Priority::NORMAL, may_sleep).unwrap();
+/// assert!(fiber.run().unwrap().unwrap_returned());
+/// ```
+pub fn may_sleep() -> bool {
+    let h = current_header();
+    // SAFETY: see `current`.
+    unsafe { h.as_ref() }.is_some_and(|h| !h.unwinding_for_drop.load(Ordering::Relaxed))
+}
+
 /// Suspends the current fiber; `run` returns [`RunOutcome::Yielded`] with
 /// `value`. On an ordinary thread this is [`std::thread::yield_now`].
 ///

@@ -294,6 +294,7 @@ impl<T: Send + 'static> Fiber<T> {
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
+            unwinding_for_drop: AtomicBool::new(false),
         };
         let inner = Arc::new(Inner {
             header,
@@ -366,7 +367,16 @@ impl<T: Send + 'static> Fiber<T> {
             }
             // A function that never started: drop it (on any thread: F: Send).
             if let Some(mut c) = slot.coro.take() {
-                c.force_unwind();
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| c.force_unwind())) {
+                    // The closure's destructor panicked, part way: the
+                    // coroutine still owns the rest of the closure and
+                    // would drop all of it again. Leak it (and its stack)
+                    // and pass the panic on; the fiber has no stack now.
+                    let _ = ManuallyDrop::new(c);
+                    crate::report::note_leaked_stack();
+                    h.state.store(FiberState::Finished);
+                    std::panic::resume_unwind(payload);
+                }
                 slot.stack = Some(c.into_stack());
             }
         }
@@ -377,10 +387,12 @@ impl<T: Send + 'static> Fiber<T> {
             return Err(FiberError::NoStack(h.id));
         };
         let coro = Coroutine::with_stack(stack, move |y: &Yielder, ()| {
-            // SAFETY: the runner made this fiber current before resuming it;
-            // this runs before the first suspension (see current.rs).
+            // The runner made this fiber current before resuming it; this
+            // runs before the first suspension (see current.rs).
+            let me = crate::current::current_header();
+            // SAFETY: as above, `me` is this fiber's header.
             unsafe {
-                (*crate::current::current_header())
+                (*me)
                     .yielder
                     .store(y as *const Yielder as *mut (), Ordering::Relaxed)
             };
@@ -388,12 +400,20 @@ impl<T: Send + 'static> Fiber<T> {
             // needs no landing pad around the switch. A forced unwind (a
             // suspended fiber being dropped) is caught here too and ends the
             // function like a return, which is what corosensei expects.
-            catch_unwind(AssertUnwindSafe(f))
+            let result = catch_unwind(AssertUnwindSafe(f));
+            // The function is over. Its value may still be dropped with
+            // this fiber current (corosensei discards it when a caught
+            // forced unwind ends in a return): a suspension from its
+            // destructor must find no yielder, not this dead frame's.
+            // SAFETY: the header outlives the fiber's function.
+            unsafe { (*me).yielder.store(std::ptr::null_mut(), Ordering::Relaxed) };
+            result
         });
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
+        h.unwinding_for_drop.store(false, Ordering::Relaxed);
         slot.migratable = migratable;
         slot.pin = NO_PIN;
         h.priority.store(priority.0, Ordering::Relaxed);
@@ -862,6 +882,7 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             // unwind may suspend again (corosensei then restarts the
             // unwind): the fiber side never writes the current fiber, so it stays
             // right until the unwind is over.
+            arc.header.unwinding_for_drop.store(true, Ordering::Relaxed);
             let prev = enter(&arc.header);
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
             // SAFETY: the same thread as `enter`.

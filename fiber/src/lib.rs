@@ -55,8 +55,8 @@ mod state;
 mod tls;
 
 pub use current::{
-    current, current_id, current_sched_data, in_fiber, set_current_priority, sleep, sleep_on, yield_now,
-    yield_value, CurrentFiber, Waiter,
+    current, current_id, current_sched_data, in_fiber, may_sleep, set_current_priority, sleep, sleep_on,
+    yield_now, yield_value, CurrentFiber, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};

@@ -455,3 +455,124 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
         assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
     });
 }
+
+#[test]
+fn a_dropped_fibers_destructors_run_current_but_may_not_sleep() {
+    with_watchdog(30, "may_sleep_in_drop_unwind", || {
+        // (in_fiber, may_sleep) as seen by a destructor on the fiber's stack.
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        struct Records(Arc<Mutex<Vec<(bool, bool)>>>);
+        impl Drop for Records {
+            fn drop(&mut self) {
+                self.0
+                    .lock()
+                    .unwrap()
+                    .push((spindle_fiber::in_fiber(), spindle_fiber::may_sleep()));
+            }
+        }
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let s = seen.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                assert!(spindle_fiber::may_sleep(), "a running fiber may sleep");
+                let _r = Records(s);
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        drop(fiber);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [(true, false)],
+            "current, but unable to suspend"
+        );
+        assert!(!spindle_fiber::may_sleep(), "an ordinary thread");
+
+        // The flag belongs to that unwind only: a reused fiber may sleep again.
+        let fiber = Fiber::<bool>::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, spindle_fiber::may_sleep)
+            .unwrap();
+        assert!(fiber.run().unwrap().unwrap_returned());
+    });
+}
+
+/// Tries to suspend from its destructor.
+struct YieldsOnDrop(Arc<AtomicBool>);
+
+impl Drop for YieldsOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+        yield_now();
+    }
+}
+
+#[test]
+fn a_value_returned_after_a_caught_forced_unwind_cannot_suspend_into_the_dead_function() {
+    with_watchdog(30, "value_after_caught_forced_unwind", || {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let fiber = Fiber::<YieldsOnDrop>::new(FiberAttr::new()).unwrap();
+        let d = dropped.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                // Catches the forced unwind of the drop below, then returns
+                // a value, which is discarded with the fiber still current.
+                let _ = std::panic::catch_unwind(yield_now);
+                YieldsOnDrop(d)
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let leaked_before = leaked_stacks();
+        // The value's `yield_now` finds no yielder (a panic, contained by
+        // the drop) instead of switching into the function's dead frame.
+        drop(fiber);
+        assert!(dropped.load(Ordering::SeqCst), "the value was dropped");
+        assert!(current().is_none(), "the thread is not left inside the fiber");
+        assert_eq!(
+            leaked_stacks(),
+            leaked_before + 1,
+            "the stack is leaked, not reused"
+        );
+    });
+}
+
+#[test]
+fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
+    with_watchdog(30, "replace_panicking_closure", || {
+        struct PanicsOnDrop;
+        impl Drop for PanicsOnDrop {
+            fn drop(&mut self) {
+                panic!("closure capture dropped");
+            }
+        }
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let (first, second) = (DropCounter(drops.clone()), PanicsOnDrop);
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _keep = (&first, &second);
+            })
+            .unwrap();
+        let replaced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            fiber.set_function(Priority::NORMAL, || {})
+        }));
+        assert!(
+            replaced.is_err(),
+            "the capture's panic comes back from set_function"
+        );
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            1,
+            "the other capture was dropped once, not twice"
+        );
+        assert!(
+            matches!(fiber.run(), Err(spindle_fiber::FiberError::Finished(_))),
+            "{:?}",
+            fiber.run()
+        );
+        assert!(matches!(
+            fiber.set_function(Priority::NORMAL, || {}),
+            Err(spindle_fiber::FiberError::NoStack(_))
+        ));
+    });
+}
