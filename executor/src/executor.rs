@@ -165,6 +165,28 @@ impl Handle {
         crate::worker::current_worker().map(|w| Handle { shared: Arc::clone(&w.shared) })
     }
 
+    /// [`Executor::scope`] through a handle, e.g. from inside a fiber:
+    ///
+    /// ```
+    /// use spindle_executor::{Executor, Handle};
+    ///
+    /// let exec = Executor::builder().workers(2).build();
+    /// let total = exec.block_on(|| {
+    ///     let parts = [1, 2, 3];
+    ///     Handle::current().unwrap().scope(|s| {
+    ///         let hs: Vec<_> = parts.iter().map(|p| s.spawn(move || p * 10)).collect();
+    ///         hs.into_iter().map(|h| h.join().unwrap()).sum::<i32>()
+    ///     })
+    /// });
+    /// assert_eq!(total.unwrap(), 60);
+    /// ```
+    pub fn scope<'env, F, R>(&self, f: F) -> R
+    where
+        F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
+    {
+        crate::scope::scope(self, f)
+    }
+
     /// Spawns a fiber running `f`, with no name at [`Priority::NORMAL`].
     ///
     /// Never blocks and never fails: the fiber and its stack are created
@@ -185,7 +207,7 @@ impl Handle {
         T: Send + 'static,
     {
         // SAFETY: F and T are 'static: nothing borrowed to keep alive.
-        let task = unsafe { TaskCell::create(options.name, f) };
+        let task = unsafe { TaskCell::create(options.name, f, None) };
         self.push(task.clone(), options.priority);
         JoinHandle::from_parts(task, Arc::clone(&self.shared))
     }

@@ -115,7 +115,7 @@ fn timed_wait(d: Duration, reason: &'static WaitReason) -> Option<bool> {
     };
     // SAFETY: the fiber's sched word holds the reference (see task_head).
     let task_ref = unsafe { TaskRef::clone_raw(raw) };
-    w.shared.timers.add(deadline, generation, task_ref);
+    let timer = w.shared.timers.add(deadline, generation, task_ref);
     w.shared.sysmon_unparker.unpark();
     // A cancel between publishing the waiter and here wakes us at once.
     if task.cancelled.load(Ordering::Acquire) {
@@ -137,6 +137,10 @@ fn timed_wait(d: Duration, reason: &'static WaitReason) -> Option<bool> {
             break slot.timed_out;
         }
     };
+    if !timed_out {
+        // Ended early: the timer is still set (unless shutdown took it).
+        w.shared.timers.remove(timer);
+    }
     check_cancel();
     Some(timed_out)
 }

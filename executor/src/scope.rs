@@ -1,7 +1,9 @@
 //! Structured concurrency: fibers that may borrow from the caller because
 //! they are all joined before the scope returns.
 
+use std::fmt;
 use std::marker::PhantomData;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -32,22 +34,27 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 struct ScopeState {
-    /// Fibers spawned in the scope and not yet done.
+    /// Fibers spawned in the scope whose tasks are not yet dropped.
     pending: AtomicUsize,
-    /// Released once per finished fiber.
+    /// Released once per dropped task.
     done: Semaphore,
-    /// Scoped fibers that unwound (panic or cancellation) and whose join has
-    /// not reported it.
+    /// Scoped fibers that unwound (panic or cancellation) and whose join
+    /// did not report it, or whose value panicked when dropped.
     unwound: AtomicUsize,
 }
 
-/// Decrements the scope's count when the fiber's closure is gone (run,
-/// unwound, or dropped without running).
-struct Finish(Arc<ScopeState>);
+/// A scoped task's hold on its scope, given up by the task when it is
+/// dropped, after its value and closure (see `TaskCell`): only then can
+/// nothing of the task's reach the borrows the scope protects. As with
+/// `std::thread::scope`, a task kept alive forever (a leaked
+/// `ScopedJoinHandle`) keeps its scope waiting forever.
+pub(crate) struct Finish(Arc<ScopeState>);
 
-impl Drop for Finish {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
+impl Finish {
+    /// The task is gone; `unwound`: it unwound or its value panicked when
+    /// dropped, and no join reported it.
+    pub(crate) fn done(self, unwound: bool) {
+        if unwound {
             self.0.unwound.fetch_add(1, Ordering::AcqRel);
         }
         self.0.pending.fetch_sub(1, Ordering::AcqRel);
@@ -58,25 +65,43 @@ impl Drop for Finish {
 /// A join handle of a scoped fiber.
 pub struct ScopedJoinHandle<'scope, T> {
     inner: JoinHandle<T>,
-    state: Arc<ScopeState>,
     _scope: PhantomData<&'scope ()>,
 }
 
 impl<T: Send> ScopedJoinHandle<'_, T> {
-    /// Waits for the fiber; see [`JoinHandle::join`].
+    /// Waits for the fiber; see [`JoinHandle::join`]. A panic or
+    /// cancellation returned here is reported: the scope need not panic
+    /// for it.
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
-        let r = self.inner.join();
-        if matches!(r, Err(JoinError::Panicked { .. } | JoinError::Cancelled { .. })) {
-            // Reported here: the scope need not panic for it.
-            self.state.unwound.fetch_sub(1, Ordering::AcqRel);
-        }
-        r
+        self.inner.join()
     }
 
     /// Whether the fiber has completed.
     pub fn is_finished(&self) -> bool {
         self.inner.is_finished()
+    }
+
+    /// Asks the fiber to stop; see [`JoinHandle::cancel`].
+    pub fn cancel(&self) {
+        self.inner.cancel()
+    }
+
+    /// Ends a [`yield_timeout`](crate::yield_timeout) of the fiber early;
+    /// see [`JoinHandle::wake`].
+    pub fn wake(&self) {
+        self.inner.wake()
+    }
+
+    /// The fiber's id, once it has started.
+    pub fn fiber_id(&self) -> Option<spindle_fiber::FiberId> {
+        self.inner.fiber_id()
+    }
+}
+
+impl<T> fmt::Debug for ScopedJoinHandle<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ScopedJoinHandle").field(&self.inner).finish()
     }
 }
 
@@ -98,20 +123,16 @@ impl<'scope> Scope<'scope, '_> {
     {
         self.state.pending.fetch_add(1, Ordering::AcqRel);
         let finish = Finish(Arc::clone(&self.state));
-        let body = move || {
-            let _finish = finish;
-            f()
-        };
-        // SAFETY: the closure may borrow data of lifetime 'scope. `scope`
-        // does not return (nor unwind past its frame) before `pending` is
-        // zero, i.e. before every such closure has been run or dropped
-        // (`Finish` is dropped with the closure in every case). So the
-        // borrows outlive every use, as with std::thread::scope.
-        let task = unsafe { TaskCell::create(options.name.clone(), body) };
+        // SAFETY: the closure and its value may borrow data of lifetime
+        // 'scope. `scope` does not return (nor unwind past its frame)
+        // before `pending` is zero, i.e. before every scoped task has been
+        // dropped, and a task calls `Finish::done` only after dropping its
+        // closure and any value nobody took. So the borrows outlive every
+        // use, as with std::thread::scope.
+        let task = unsafe { TaskCell::create(options.name.clone(), f, Some(finish)) };
         self.handle.push(task.clone(), options_priority(&options));
         ScopedJoinHandle {
             inner: JoinHandle::from_parts(task, Arc::clone(&self.handle.shared)),
-            state: Arc::clone(&self.state),
             _scope: PhantomData,
         }
     }
@@ -135,29 +156,31 @@ where
         _scope: PhantomData,
         _env: PhantomData,
     };
-    // Waits for every scoped fiber, even if `f` panics.
-    struct WaitAll<'a>(&'a ScopeState);
-    impl Drop for WaitAll<'_> {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                // Unwinding (perhaps a fiber being force-unwound, which may
-                // not suspend): block the thread, never the fiber.
-                while self.0.pending.load(Ordering::Acquire) > 0 {
-                    std::thread::yield_now();
-                }
-            } else {
-                while self.0.pending.load(Ordering::Acquire) > 0 {
-                    self.0.done.acquire();
-                }
-            }
+    // The body's unwind, if any, is caught first and resumed once every
+    // scoped fiber is done: waiting while unwinding would leave this thread
+    // "panicking" for every fiber that runs on it meanwhile.
+    let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
+    let state = &scope.state;
+    if spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() {
+        // The stack of a dropped fiber being unwound, which cannot suspend:
+        // block the thread (the scoped fibers must finish elsewhere).
+        while state.pending.load(Ordering::Acquire) > 0 {
+            std::thread::yield_now();
+        }
+    } else {
+        // A fiber sleeps (its worker runs the scoped fibers meanwhile); a
+        // thread blocks.
+        while state.pending.load(Ordering::Acquire) > 0 {
+            state.done.acquire();
         }
     }
-    let result = {
-        let _wait = WaitAll(&scope.state);
-        f(&scope)
-    };
-    if scope.state.unwound.load(Ordering::Acquire) > 0 {
-        panic!("a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not joined");
+    match result {
+        Err(payload) => resume_unwind(payload),
+        Ok(_) if state.unwound.load(Ordering::Acquire) > 0 => {
+            panic!(
+                "a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not joined"
+            )
+        }
+        Ok(r) => r,
     }
-    result
 }

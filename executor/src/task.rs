@@ -6,6 +6,7 @@ use std::any::Any;
 use std::cell::UnsafeCell;
 use std::fmt;
 use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,6 +14,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use spindle_fiber::{FiberId, Waiter};
 use spindle_sync::Semaphore;
+
+use crate::scope::Finish;
 
 /// Why [`JoinHandle::join`](crate::JoinHandle::join) did not return the fiber's value.
 pub enum JoinError {
@@ -153,12 +156,22 @@ pub(crate) struct TaskPrefix<T> {
 }
 
 /// A task: one allocation holding its head, its value slot and its closure.
+///
+/// Whatever the task still holds when the last reference goes (a value
+/// nobody joined, a closure that never ran, a panic payload) is dropped
+/// then, wherever that is (often a worker thread, outside any fiber), so
+/// its destructors are contained: a panic there is reported by the panic
+/// hook and goes no further.
 #[repr(C)]
 pub(crate) struct TaskCell<T, F> {
     head: TaskHead,
     result: Mutex<Option<T>>,
     /// Taken once, by the worker that starts the task (or drops it).
     job: UnsafeCell<Option<F>>,
+    /// A scoped task's scope: told the task is over only once everything
+    /// above has been dropped (`Drop` below), since `T` and `F` may borrow
+    /// what the scope protects.
+    scope: Option<Finish>,
 }
 
 impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
@@ -173,9 +186,9 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
     ///
     /// # Safety
     /// If `F` or `T` borrow anything, the caller keeps it alive until the
-    /// task's closure has been run or dropped (the erased `TaskRef` hides
-    /// those lifetimes).
-    pub(crate) unsafe fn create(name: Option<Arc<str>>, f: F) -> TaskRef {
+    /// task itself is dropped (the erased `TaskRef` hides those lifetimes),
+    /// which `scope` tells through [`Finish::done`].
+    pub(crate) unsafe fn create(name: Option<Arc<str>>, f: F, scope: Option<Finish>) -> TaskRef {
         let cell: Arc<TaskCell<T, F>> = Arc::new(TaskCell {
             head: TaskHead {
                 vtable: &Self::VTABLE,
@@ -189,6 +202,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
             },
             result: Mutex::new(None),
             job: UnsafeCell::new(Some(f)),
+            scope,
         });
         let raw: *const TaskCell<T, F> = Arc::into_raw(cell);
         // SAFETY: Arc::into_raw is never null; the head is the first field.
@@ -217,7 +231,28 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
     unsafe fn drop_job(h: NonNull<TaskHead>) {
         // SAFETY: as in run_job.
         let cell = unsafe { &*(h.as_ptr() as *const Self) };
-        drop(unsafe { (*cell.job.get()).take() });
+        // SAFETY: as in run_job.
+        let job = unsafe { (*cell.job.get()).take() };
+        // On a worker thread, outside any fiber: a panicking destructor of
+        // the closure's captures must not take the worker down.
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(job)));
+    }
+}
+
+impl<T, F> Drop for TaskCell<T, F> {
+    fn drop(&mut self) {
+        let unwound = matches!(
+            self.head.error.get_mut().as_deref(),
+            Some(JoinError::Panicked { .. } | JoinError::Cancelled { .. })
+        );
+        let (result, job, error) =
+            (self.result.get_mut().take(), self.job.get_mut().take(), self.head.error.get_mut().take());
+        // Contained (see the type's docs); the panic hook has reported it.
+        let panicked = catch_unwind(AssertUnwindSafe(|| drop((result, job, error)))).is_err();
+        if let Some(scope) = self.scope.take() {
+            // Only now: nothing of the task's can touch the scope's borrows.
+            scope.done(unwound || panicked);
+        }
     }
 }
 

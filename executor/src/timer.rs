@@ -1,7 +1,6 @@
 //! Timers for `sleep` and `yield_timeout`, fired by the sysmon thread.
 
-use std::cmp::Ordering as CmpOrdering;
-use std::collections::BinaryHeap;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -9,53 +8,46 @@ use parking_lot::Mutex;
 use crate::task::TaskRef;
 
 struct Entry {
-    deadline: Instant,
-    seq: u64,
     generation: u64,
     task: TaskRef,
 }
 
-impl PartialEq for Entry {
-    fn eq(&self, other: &Self) -> bool {
-        self.deadline == other.deadline && self.seq == other.seq
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, other: &Self) -> Option<CmpOrdering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Entry {
-    /// Earliest deadline first (BinaryHeap is a max-heap).
-    fn cmp(&self, other: &Self) -> CmpOrdering {
-        other.deadline.cmp(&self.deadline).then(other.seq.cmp(&self.seq))
-    }
-}
+/// Where a timer sits: its deadline, then the order timers were added.
+pub(crate) type TimerKey = (Instant, u64);
 
-/// A heap of deadlines, each for a task sleeping in its sleep slot.
+/// Deadlines, each for a task sleeping in its sleep slot. A sleep that ends
+/// before its deadline (a wake, a cancel) removes its timer, so that the
+/// timer neither keeps the task alive nor counts as pending.
 pub(crate) struct Timers {
-    heap: Mutex<(BinaryHeap<Entry>, u64)>,
+    map: Mutex<(BTreeMap<TimerKey, Entry>, u64)>,
 }
 
 impl Timers {
     pub(crate) fn new() -> Timers {
-        Timers { heap: Mutex::new((BinaryHeap::new(), 0)) }
+        Timers { map: Mutex::new((BTreeMap::new(), 0)) }
     }
 
-    pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) {
-        let mut h = self.heap.lock();
-        let seq = h.1;
-        h.1 += 1;
-        h.0.push(Entry { deadline, seq, generation, task });
+    pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) -> TimerKey {
+        let mut m = self.map.lock();
+        let key = (deadline, m.1);
+        m.1 += 1;
+        m.0.insert(key, Entry { generation, task });
+        key
+    }
+
+    /// Removes a timer whose sleep ended before it fired (if it is still
+    /// there). The task reference is dropped after the lock is released.
+    pub(crate) fn remove(&self, key: TimerKey) {
+        let entry = self.map.lock().0.remove(&key);
+        drop(entry);
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.heap.lock().0.is_empty()
+        self.map.lock().0.is_empty()
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.heap.lock().0.peek().map(|e| e.deadline)
+        self.map.lock().0.first_key_value().map(|(k, _)| k.0)
     }
 
     /// Wakes every task whose deadline passed (taking its sleep waiter, so a
@@ -64,9 +56,9 @@ impl Timers {
         let mut fired = 0;
         loop {
             let entry = {
-                let mut h = self.heap.lock();
-                match h.0.peek() {
-                    Some(e) if e.deadline <= now => h.0.pop(),
+                let mut m = self.map.lock();
+                match m.0.first_entry() {
+                    Some(e) if e.key().0 <= now => Some(e.remove()),
                     _ => None,
                 }
             };
@@ -91,8 +83,8 @@ impl Timers {
 
     /// Wakes every sleeper now (shutdown).
     pub(crate) fn fire_all(&self) {
-        let entries: Vec<Entry> = std::mem::take(&mut self.heap.lock().0).into_vec();
-        for e in entries {
+        let entries = std::mem::take(&mut self.map.lock().0);
+        for (_, e) in entries {
             let w = e.task.sleep.lock().waiter.take();
             if let Some(w) = w {
                 w.wake();

@@ -102,3 +102,23 @@ fn a_fiber_joining_a_fiber_that_waits_forever_is_reported_by_name() {
         drop(exec);
     });
 }
+
+#[test]
+fn a_yield_timeout_woken_early_leaves_no_timer_behind() {
+    watchdog("a_yield_timeout_woken_early_leaves_no_timer_behind", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a fiber in a one-hour yield_timeout, woken at once");
+        let napper = exec.spawn(|| spindle_executor::yield_timeout(Duration::from_secs(3600)));
+        while !napper.is_finished() {
+            napper.wake();
+            std::thread::yield_now();
+        }
+        assert!(!napper.join().unwrap(), "woken, not timed out");
+        // A pending timer turns deadlock detection off; the finished
+        // sleep's must be gone.
+        stage.set("joining a fiber that waits on a semaphore nobody releases");
+        let never = Arc::new(Semaphore::new(0));
+        let stuck = exec.spawn(move || never.acquire());
+        assert!(stuck.join().unwrap_err().is_deadlock());
+    });
+}

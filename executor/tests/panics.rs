@@ -126,3 +126,54 @@ fn panics_unwind_the_fiber_and_leave_the_executor_usable() {
         assert_eq!(stats.completed, stats.spawned, "{stats:?}");
     });
 }
+
+/// Panics when dropped.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("Bomb dropped");
+    }
+}
+
+#[test]
+fn a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running() {
+    watchdog("a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let go = std::sync::Arc::new(spindle_sync::Semaphore::new(0));
+        let fiber_go = go.clone();
+        stage.set("a fiber returns a value whose drop panics, after its handle is gone");
+        let h = exec.spawn(move || {
+            fiber_go.acquire();
+            Bomb
+        });
+        drop(h); // the worker drops the value when the fiber returns
+        go.release(1);
+        stage.set("the only worker still runs fibers");
+        assert_eq!(exec.block_on(|| 1).unwrap(), 1);
+
+        stage.set("a cancelled job whose closure's drop panics");
+        // The only worker is held busy (no suspension, no second worker
+        // to scale up to) until the job is cancelled, so it never starts.
+        let held = Flag::new();
+        let release = Flag::new();
+        let (fiber_held, fiber_release) = (held.clone(), release.clone());
+        let blocker = exec.spawn(move || {
+            fiber_held.set();
+            while !fiber_release.is_set() {
+                std::hint::spin_loop();
+            }
+        });
+        while !held.is_set() {
+            std::thread::yield_now();
+        }
+        let bomb = Bomb;
+        let never_run = exec.spawn(move || drop(bomb));
+        never_run.cancel();
+        release.set();
+        blocker.join().unwrap();
+        assert!(never_run.join().unwrap_err().is_cancelled());
+        assert_eq!(exec.block_on(|| 2).unwrap(), 2);
+        drop(exec);
+    });
+}

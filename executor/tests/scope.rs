@@ -191,3 +191,64 @@ fn scope_inside_a_fiber() {
         assert_eq!(total, (0..100).sum::<usize>());
     });
 }
+
+/// Counts its drops; borrows the counter, so it may only be dropped while
+/// the scope that made it is open.
+struct CountsDrop<'a>(&'a AtomicUsize);
+
+impl Drop for CountsDrop<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_value_nobody_joined_is_dropped_before_the_scope_returns() {
+    watchdog("a_value_nobody_joined_is_dropped_before_the_scope_returns", 30, |stage| {
+        let drops = AtomicUsize::new(0);
+        let exec = Executor::builder().workers(2).build();
+        stage.set("a scoped fiber woken early from a long yield_timeout returns a borrowing value");
+        exec.scope(|s| {
+            let drops = &drops;
+            let h = s.spawn(move || {
+                // Woken early below; its timer must not keep the task alive.
+                assert!(!spindle_executor::yield_timeout(std::time::Duration::from_secs(3600)));
+                CountsDrop(drops)
+            });
+            // The handle's wake only ends a yield_timeout that has begun: retry until it took.
+            common::wait_for(&stage, "the fiber to finish after its wake", || {
+                h.wake();
+                h.is_finished()
+            });
+            drop(h); // never joined: the value stays in the task
+        });
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the unjoined value was dropped before `scope` returned");
+    });
+}
+
+#[test]
+fn a_scope_whose_body_panics_inside_a_fiber_waits_on_the_same_worker() {
+    watchdog("a_scope_whose_body_panics_inside_a_fiber_waits_on_the_same_worker", 30, |stage| {
+        // One worker: the scoped fibers can only run if the scope's own
+        // fiber sleeps while it waits for them.
+        let exec = Executor::builder().workers(1).build();
+        stage.set("a fiber opens a scope, spawns, and panics in the body");
+        let done = Flag::new();
+        let child_done = done.clone();
+        let r = exec.block_on(move || {
+            catch_unwind(AssertUnwindSafe(|| {
+                spindle_executor::Handle::current().unwrap().scope(|s| {
+                    s.spawn(|| {
+                        yield_now();
+                        child_done.set();
+                    });
+                    yield_now();
+                    panic!("body fails");
+                })
+            }))
+            .map_err(|p| p.downcast_ref::<&str>().copied())
+        });
+        assert_eq!(r.unwrap().unwrap_err(), Some("body fails"), "the body's panic comes out of the scope");
+        assert!(done.is_set(), "the scoped fiber finished before the scope unwound");
+    });
+}
