@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{wait, WaitList};
+use crate::wait::{wait, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a channel");
 
@@ -97,6 +97,25 @@ struct Synced {
 unsafe impl Send for Synced {}
 
 impl Synced {
+    /// A message handed to a receiver that was dropped (a fiber unwound)
+    /// before it ran again: to the next receiver, or back to the front of
+    /// the queue, where it was the oldest.
+    fn give_back(&mut self, handed: usize) -> Option<Wakeup> {
+        let msg = handed as *mut MsgHeader;
+        if let Some(wakeup) = self.receivers.pop_front(handed) {
+            return Some(wakeup);
+        }
+        // SAFETY: the header was pushed under push's contract and never
+        // reached its receiver, so it is still the channel's.
+        unsafe { (*msg).next.set(self.head) };
+        if self.head.is_null() {
+            self.tail = msg;
+        }
+        self.head = msg;
+        self.messages += 1;
+        None
+    }
+
     fn pop_message(&mut self) -> Option<NonNull<MsgHeader>> {
         let head = NonNull::new(self.head)?;
         // SAFETY: queued headers are valid until popped (push's contract).
@@ -163,7 +182,7 @@ impl RawChannel {
         if let Some(m) = synced.pop_message() {
             return m;
         }
-        let handed = wait(synced, |s| &mut s.receivers, None, &WAIT_REASON);
+        let handed = wait(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON);
         NonNull::new(handed as *mut MsgHeader).expect("a receiver is always handed a message")
     }
 

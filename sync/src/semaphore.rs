@@ -80,7 +80,20 @@ impl Semaphore {
         }
         // The waker hands the token over directly (it never reaches
         // `tokens`), so no one can take it in between.
-        wait(synced, |s| &mut s.waiters, priority, &WAIT_REASON);
+        wait(
+            synced,
+            |s| &mut s.waiters,
+            // A token handed to a fiber that was dropped before it ran
+            // again: to the next waiter, or back to the count.
+            |s, _| {
+                s.waiters.pop_front(0).or_else(|| {
+                    s.tokens += 1;
+                    None
+                })
+            },
+            priority,
+            &WAIT_REASON,
+        );
     }
 
     /// Takes a token if one is available now.

@@ -45,7 +45,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::Thread;
 
-use parking_lot::MutexGuard;
+use parking_lot::{Mutex, MutexGuard};
 use spindle_fiber::{Priority, WaitReason, Waiter};
 
 /// Who sleeps on a node.
@@ -173,35 +173,58 @@ impl Wakeup {
     }
 }
 
-/// Aborts the process if a waiting frame unwinds while its node is linked.
+/// Guards a waiting frame against unwinding while its node is linked, and
+/// against losing what a waker handed over.
 ///
-/// A fiber being dropped is unwound by force; code that catches that
-/// unwind and then waits on a primitive links a node and sleeps, and the
-/// sleep re-raises the unwind (a dropped fiber cannot sleep). Unwinding
-/// past `wait` would free a node that is still on the list, so the process
-/// aborts instead, as Rust does for a panic during a panic.
-struct Linked<'a>(&'a AtomicBool);
+/// A fiber being dropped is unwound by force. Asleep, it cannot be dropped
+/// (its linked node holds a `Waiter`); but once a waker has unlinked the
+/// node, handed it a value and woken the fiber, the fiber's last handle
+/// may be dropped before it runs again: the unwind then starts from the
+/// sleep, and the value (a token, a message) would go with the frame. The
+/// guard gives it back to the primitive (`give_back`, under its lock), which
+/// hands it to the next waiter or keeps it.
+///
+/// Code that catches the forced unwind and then waits on a primitive links
+/// a node and sleeps, and the sleep re-raises the unwind (a dropped fiber
+/// cannot sleep). Unwinding past `wait` would free a node that is still on
+/// the list, so the process aborts instead, as Rust does for a panic during
+/// a panic.
+struct Linked<'a, S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> {
+    node: &'a WaitNode,
+    mutex: &'a Mutex<S>,
+    give_back: Option<G>,
+}
 
-impl Drop for Linked<'_> {
+impl<S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
     fn drop(&mut self) {
-        if !self.0.load(Ordering::Acquire) {
+        if !self.node.done.load(Ordering::Acquire) {
             eprintln!(
                 "spindle-sync: a fiber was unwound while waiting on a primitive (it caught the \
                  unwind of its own drop and then blocked); its wait node is still linked, aborting"
             );
             std::process::abort();
         }
+        if let Some(give_back) = self.give_back.take() {
+            let wakeup = give_back(&mut self.mutex.lock(), self.node.value.get());
+            if let Some(w) = wakeup {
+                w.wake();
+            }
+        }
     }
 }
 
 /// Sleeper steps 2 to 5: links a node for the current fiber or thread into
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
-/// a waker hands it a value, and returns that value.
+/// a waker hands it a value, and returns that value. If the sleeper unwinds
+/// after the value was handed over (its fiber dropped before it ran again),
+/// `give_back` returns the value to the locked state, and may hand it to
+/// another waiter (woken once the lock is released).
 #[track_caller]
 #[inline]
 pub(crate) fn wait<S>(
     mut guard: MutexGuard<'_, S>,
     list: impl FnOnce(&mut S) -> &mut WaitList,
+    give_back: impl FnOnce(&mut S, usize) -> Option<Wakeup>,
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
 ) -> usize {
@@ -216,7 +239,7 @@ pub(crate) fn wait<S>(
     // return before the node is unlinked (we wait for `done` below), nor
     // unwind while it is linked (`Linked` aborts first).
     unsafe { list(&mut guard).push_back(&node) };
-    let linked = Linked(&node.done);
+    let linked = Linked { node: &node, mutex, give_back: Some(give_back) };
     drop(guard);
     if is_fiber {
         // The node's own waiter is only woken after `done` is set. Any other

@@ -325,3 +325,39 @@ fn threads_and_fibers_exchange_messages() {
         assert_eq!(thread.join().unwrap(), 10);
     });
 }
+
+/// A message handed to a sleeping receiver that is then dropped before it
+/// runs again is not lost: it goes to the next receiver, or back to the
+/// front of the queue.
+#[test]
+fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
+    watchdog("a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back", 30, |stage| {
+        let drops = DropCounter::default();
+        let chan = Arc::new(Channel::<Counted>::new());
+        let receiver = |chan: &Arc<Channel<Counted>>| {
+            let rx = chan.clone();
+            let f = fiber(Priority::NORMAL, move || rx.pop().into_inner().1);
+            assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+            f
+        };
+
+        stage.set("one receiver, handed a message, then dropped");
+        let f = receiver(&chan);
+        chan.push(Msg::new(drops.make(1)));
+        assert_eq!((f.state(), chan.len()), (FiberState::Ready, 0));
+        chan.push(Msg::new(drops.make(2)));
+        drop(f);
+        assert_eq!(drops.drops(), 0, "no message was dropped with the receiver");
+        assert_eq!(chan.len(), 2);
+        assert_eq!(chan.try_pop().unwrap().1, 1, "the given-back message is first again");
+        assert_eq!(chan.try_pop().unwrap().1, 2);
+
+        stage.set("two receivers: the first is handed a message and dropped, the second gets it");
+        let (first, second) = (receiver(&chan), receiver(&chan));
+        chan.push(Msg::new(drops.make(3)));
+        drop(first);
+        assert_eq!(second.state(), FiberState::Ready, "the message was handed on");
+        assert!(matches!(second.run(), Ok(RunOutcome::Returned(3))));
+        assert_eq!(chan.receivers(), 0);
+    });
+}

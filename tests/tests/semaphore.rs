@@ -409,3 +409,36 @@ fn a_real_release_while_the_fiber_is_queued_by_a_stale_wake_is_not_lost() {
         assert!(queue.is_empty());
     });
 }
+
+/// A token handed to a sleeping fiber that is then dropped before it runs
+/// again is not lost: it goes to the next waiter, or back to the count.
+#[test]
+fn a_token_handed_to_a_fiber_dropped_before_it_ran_is_given_back() {
+    watchdog("a_token_handed_to_a_fiber_dropped_before_it_ran_is_given_back", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let sleeper = |sem: &Arc<Semaphore>| {
+            let s = sem.clone();
+            let f = fiber(Priority::NORMAL, move || s.acquire());
+            assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+            f
+        };
+
+        stage.set("one sleeper, woken (no run queue: it becomes Ready), then dropped");
+        let f = sleeper(&sem);
+        sem.release(1);
+        assert_eq!(f.state(), FiberState::Ready);
+        assert_eq!(sem.available(), 0, "the token went to the fiber");
+        drop(f);
+        assert_eq!(sem.available(), 1, "the dropped fiber's token is back");
+
+        stage.set("two sleepers: the first is woken and dropped, the second gets its token");
+        assert!(sem.try_acquire());
+        let (first, second) = (sleeper(&sem), sleeper(&sem));
+        sem.release(1);
+        assert_eq!((first.state(), second.state()), (FiberState::Ready, FiberState::Sleeping));
+        drop(first);
+        assert_eq!(second.state(), FiberState::Ready, "the token was handed on");
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        assert!(matches!(second.run(), Ok(RunOutcome::Returned(()))));
+    });
+}
