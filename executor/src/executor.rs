@@ -217,20 +217,31 @@ impl Handle {
     pub(crate) fn push(&self, task: TaskRef, priority: Priority) {
         let shared = &self.shared;
         shared.stats.spawned.fetch_add(1, Ordering::Relaxed);
-        if shared.shutdown.load(Ordering::Acquire) {
-            // Spawned while shutting down (e.g. from a destructor): the job
-            // never runs, its join fails.
-            // SAFETY: we hold the only job of this task; it never runs.
-            unsafe { task.drop_job() };
-            let name = task.name.clone();
-            task.complete(Some(JoinError::Cancelled { fiber: None, name }));
-            shared.stats.completed_outside.fetch_add(1, Ordering::Release);
-            return;
-        }
         let job = Job { task, priority };
         match crate::worker::current_worker() {
-            Some(w) if Arc::ptr_eq(&w.shared, shared) => w.push_local(job),
-            _ => shared.push_fresh(job),
+            // From one of this executor's fibers: its worker is busy
+            // running it, so shutdown cannot get past it before the push
+            // is done, and the worker drains its own queue.
+            Some(w) if Arc::ptr_eq(&w.shared, shared) => {
+                if shared.shutdown.load(Ordering::Acquire) {
+                    return cancel_unstarted(shared, job);
+                }
+                w.push_local(job)
+            }
+            _ => {
+                // Shutdown protocol, spawner side: announce the spawn, then
+                // check the flag (both SeqCst, against shutdown's store of
+                // the flag and its wait for the count to reach zero). Either
+                // shutdown sees the spawn in flight and waits for the push
+                // (the workers then drain it), or the spawn sees the flag.
+                shared.spawns_in_flight.fetch_add(1, Ordering::SeqCst);
+                if shared.shutdown.load(Ordering::SeqCst) {
+                    shared.spawns_in_flight.fetch_sub(1, Ordering::SeqCst);
+                    return cancel_unstarted(shared, job);
+                }
+                shared.push_fresh(job);
+                shared.spawns_in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
         }
     }
 
@@ -273,83 +284,114 @@ impl fmt::Debug for Executor {
     }
 }
 
-impl Executor {
-    /// Waits until every started worker is parked with nothing queued and
-    /// no timer pending, seen twice with no heartbeat in between.
-    fn wait_quiescent(&self) {
-        let shared = &self.handle.shared;
-        let beats = || -> u64 {
-            shared.workers.iter().map(|w| w.hot.heartbeat.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
-        };
-        let quiet = || {
-            shared
-                .workers
-                .iter()
-                .filter(|w| w.started.load(Ordering::Acquire))
-                .all(|w| w.inbox.parked.load(Ordering::SeqCst))
-                && !shared.pending_work()
-                && shared.timers.is_empty()
-        };
-        let started = std::time::Instant::now();
-        let mut warned = false;
-        let mut last = None;
-        loop {
-            shared.timers.fire_all();
-            if quiet() {
-                let b = beats();
-                if last == Some(b) {
-                    return;
-                }
-                last = Some(b);
-            } else {
-                last = None;
+/// Spawned while shutting down (e.g. from a destructor): the job never
+/// runs, its join fails.
+fn cancel_unstarted(shared: &Shared, job: Job) {
+    // SAFETY: we hold the only job of this task; it never runs.
+    unsafe { job.task.drop_job() };
+    let name = job.task.name.clone();
+    job.task.complete(Some(JoinError::Cancelled { fiber: None, name }));
+    shared.stats.completed_outside.fetch_add(1, Ordering::Release);
+}
+
+/// Waits until every started worker is parked with nothing queued and no
+/// timer pending, seen twice with no heartbeat in between.
+fn wait_quiescent(shared: &Shared) {
+    let beats = || -> u64 {
+        shared.workers.iter().map(|w| w.hot.heartbeat.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+    };
+    let quiet = || {
+        shared
+            .workers
+            .iter()
+            .filter(|w| w.started.load(Ordering::Acquire))
+            .all(|w| w.inbox.parked.load(Ordering::SeqCst))
+            && !shared.pending_work()
+            && shared.timers.is_empty()
+    };
+    let started = std::time::Instant::now();
+    let mut warned = false;
+    let mut last = None;
+    loop {
+        shared.timers.fire_all();
+        if quiet() {
+            let b = beats();
+            if last == Some(b) {
+                return;
             }
-            if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
-                eprintln!(
-                    "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
-                     (a fiber that never yields keeps its worker busy)"
-                );
-                warned = true;
-            }
-            std::thread::sleep(std::time::Duration::from_micros(200));
+            last = Some(b);
+        } else {
+            last = None;
         }
+        if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
+            eprintln!(
+                "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
+                 (a fiber that never yields keeps its worker busy)"
+            );
+            warned = true;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// Shuts the executor down (see `Drop for Executor`).
+fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
+    let shared = &handle.shared;
+    // 1. Cancel everything: unstarted jobs are dropped as workers take
+    //    them, started fibers unwind at their next executor suspension
+    //    point; wake every timer sleeper and every worker. Spawns from
+    //    outside that did not see the flag are waited for (their jobs are
+    //    then queued, and drained like any other).
+    shared.shutdown.store(true, Ordering::SeqCst);
+    while shared.spawns_in_flight.load(Ordering::SeqCst) > 0 {
+        std::thread::yield_now();
+    }
+    shared.timers.fire_all();
+    shared.wake_all();
+    // 2. Let the workers run until nothing is left to run: unwinding
+    //    one fiber may wake others (joiners, semaphore waiters).
+    wait_quiescent(shared);
+    // 3. Workers leave and drop what is left, each on its own thread.
+    shared.exit.store(true, Ordering::SeqCst);
+    shared.wake_all();
+    if let Some(s) = sysmon {
+        let _ = s.join();
+    }
+    let threads = std::mem::take(&mut *shared.threads.lock());
+    for t in threads {
+        let _ = t.join();
+    }
+    // Jobs that never started: drop them and fail their joins.
+    for q in shared.global.iter() {
+        while let Some(job) = crate::shared::steal_one(q) {
+            cancel_unstarted(shared, job);
+        }
+    }
+    if shared.config.stats_at_shutdown {
+        eprintln!("spindle-executor stats: {:?}", handle.stats());
     }
 }
 
 impl Drop for Executor {
     fn drop(&mut self) {
-        let shared = &self.handle.shared;
-        // 1. Cancel everything: unstarted jobs are dropped as workers take
-        //    them, started fibers unwind at their next executor suspension
-        //    point; wake every timer sleeper and every worker.
-        shared.shutdown.store(true, Ordering::SeqCst);
-        shared.timers.fire_all();
-        shared.wake_all();
-        // 2. Let the workers run until nothing is left to run: unwinding
-        //    one fiber may wake others (joiners, semaphore waiters).
-        self.wait_quiescent();
-        // 3. Workers leave and drop what is left, each on its own thread.
-        shared.exit.store(true, Ordering::SeqCst);
-        shared.wake_all();
-        if let Some(s) = self.sysmon.take() {
-            let _ = s.join();
-        }
-        let threads = std::mem::take(&mut *shared.threads.lock());
-        for t in threads {
-            let _ = t.join();
-        }
-        // Jobs that never started: drop them and fail their joins.
-        for q in shared.global.iter() {
-            while let Some(job) = crate::shared::steal_one(q) {
-                // SAFETY: we took the job from the queue; it never runs.
-                unsafe { job.task.drop_job() };
-                let name = job.task.name.clone();
-                job.task.complete(Some(JoinError::Cancelled { fiber: None, name }));
-                shared.stats.completed_outside.fetch_add(1, Ordering::Release);
+        let handle = self.handle.clone();
+        let sysmon = self.sysmon.take();
+        match crate::worker::current_worker() {
+            // Dropped inside one of its own fibers: that fiber's worker
+            // cannot go quiet until the fiber suspends or ends, so the
+            // shutdown is left to a thread of its own, and this returns.
+            Some(w) if Arc::ptr_eq(&w.shared, &handle.shared) => {
+                let spawned = std::thread::Builder::new()
+                    .name("spindle-shutdown".into())
+                    .spawn(move || shut_down(handle, sysmon));
+                if let Err(e) = spawned {
+                    eprintln!(
+                        "spindle-executor: cannot start a thread to shut down the executor dropped \
+                         in its own fiber ({e}); its threads are left running"
+                    );
+                }
             }
-        }
-        if shared.config.stats_at_shutdown {
-            eprintln!("spindle-executor stats: {:?}", self.stats());
+            _ => shut_down(handle, sysmon),
         }
     }
 }

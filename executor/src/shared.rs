@@ -228,6 +228,9 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     /// Workers leave their loop (set once shutdown is quiescent).
     pub(crate) exit: AtomicBool,
+    /// Spawns from outside the workers between their `shutdown` check and
+    /// their push: shutdown waits for them (see `Handle::push`).
+    pub(crate) spawns_in_flight: CachePadded<AtomicUsize>,
     pub(crate) stats: Counters,
     pub(crate) threads: Mutex<Vec<ThreadHandle<()>>>,
     pub(crate) sysmon_unparker: Unparker,
@@ -277,6 +280,7 @@ impl Shared {
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),
                 exit: AtomicBool::new(false),
+                spawns_in_flight: CachePadded::new(AtomicUsize::new(0)),
                 stats: Counters::default(),
                 threads: Mutex::new(Vec::new()),
                 sysmon_unparker,

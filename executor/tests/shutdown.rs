@@ -227,3 +227,55 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
         sem.release(1);
     });
 }
+
+#[test]
+fn dropping_the_executor_inside_its_own_fiber_returns() {
+    watchdog("dropping_the_executor_inside_its_own_fiber_returns", 30, |stage| {
+        let exec = Arc::new(Executor::builder().workers(2).build());
+        let go = Arc::new(Semaphore::new(0));
+        let (last, fiber_go) = (Arc::clone(&exec), Arc::clone(&go));
+        let h = exec.spawn(move || {
+            fiber_go.acquire();
+            stage.set("the fiber drops the last reference to its own executor");
+            drop(last);
+            "the drop returned"
+        });
+        drop(exec);
+        go.release(1);
+        assert_eq!(h.join().unwrap(), "the drop returned");
+    });
+}
+
+#[test]
+fn spawns_racing_the_drop_all_complete() {
+    watchdog("spawns_racing_the_drop_all_complete", 60, |stage| {
+        for round in 0..common::size(20, 100) {
+            stage.set(format!("round {round}: a thread spawns while the executor is dropped"));
+            let exec = Executor::builder().workers(2).build();
+            let handle = exec.handle();
+            let started = Flag::new();
+            let spawner_started = started.clone();
+            let spawner = std::thread::spawn(move || {
+                let mut joins = Vec::new();
+                for i in 0..200 {
+                    joins.push(handle.spawn(move || i));
+                    if i == 10 {
+                        spawner_started.set();
+                    }
+                }
+                joins
+            });
+            while !started.is_set() {
+                std::thread::yield_now();
+            }
+            drop(exec);
+            stage.set(format!("round {round}: joining every spawn (each returns or is cancelled)"));
+            for (i, j) in spawner.join().unwrap().into_iter().enumerate() {
+                match j.join() {
+                    Ok(v) => assert_eq!(v, i),
+                    Err(e) => assert!(e.is_cancelled(), "{e}"),
+                }
+            }
+        }
+    });
+}
