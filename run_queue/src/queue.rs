@@ -157,6 +157,9 @@ pub struct RunQueueStats {
     pub wakes: u64,
     /// Times a popper parked its thread.
     pub parks: u64,
+    /// Popped fibers pinned to another thread, pushed back for it to pop
+    /// (see [`RunQueue::run_popped`]).
+    pub wrong_thread: u64,
 }
 
 /// Why [`RunQueue::try_push`] refused a fiber. The fiber is handed back.
@@ -339,15 +342,28 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Runs a fiber popped from this queue until it suspends, pushing it
-    /// back if it yielded (see [`run_next`](RunQueue::run_next)).
+    /// back if it yielded (see [`run_next`](RunQueue::run_next)). A fiber
+    /// pinned to another thread (a safe `set_function`, run there before)
+    /// is not run: it goes back into the queue for its own thread to pop,
+    /// and the outcome is [`FiberError::WrongThread`].
+    ///
+    /// [`FiberError::WrongThread`]: spindle_fiber::FiberError::WrongThread
     #[inline]
     pub fn run_popped(&self, mut fiber: Fiber<T>) -> Ran<T> {
         // Usually the queue held the only reference: no atomic claim.
         let outcome = fiber.run_mut();
-        if let Ok(RunOutcome::Yielded(_)) = outcome {
-            self.requeue(&fiber);
+        match outcome {
+            Ok(RunOutcome::Yielded(_)) => self.requeue(&fiber),
+            Err(FiberError::WrongThread(_)) => self.wrong_thread(&fiber),
+            _ => {}
         }
         Ran { fiber, outcome }
+    }
+
+    #[cold]
+    fn wrong_thread(&self, fiber: &Fiber<T>) {
+        self.shared.synced.lock().stats.wrong_thread += 1;
+        self.requeue(fiber);
     }
 
     /// Pushes back a fiber that just yielded. Its place was freed when it
@@ -408,10 +424,13 @@ impl<T> Shared<T> {
     }
 }
 
-/// Outside the lock: a popped fiber goes from `Queued` to `Ready`.
+/// Outside the lock: a popped fiber goes from `Queued` to `Ready`. One
+/// that someone took out of `Queued` by hand while it was in the queue
+/// (`mark_dequeued` is public) is handed out as it is: running it reports
+/// its state instead of this panicking in the popper.
 fn finish_pop<T>(popped: Option<Fiber<T>>) -> Option<Fiber<T>> {
     if let Some(f) = &popped {
-        f.mark_dequeued().expect("a fiber in the queue is Queued");
+        let _ = f.mark_dequeued();
     }
     popped
 }

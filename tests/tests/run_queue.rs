@@ -481,3 +481,36 @@ fn dropping_a_queue_releases_the_fibers_in_it() {
         "the fibers left in a dropped queue (and their captured values) were leaked"
     );
 }
+
+/// A pinned fiber popped by a thread other than its own is not lost: it
+/// goes back into the queue, and its own thread runs it.
+#[test]
+fn a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own() {
+    watchdog("a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own", 30, |stage| {
+        let queue = RunQueue::<u32>::new(4);
+        let f = fiber(Priority::NORMAL, || {
+            spindle_fiber::yield_now();
+            7
+        });
+        queue.try_push(f.clone()).unwrap();
+        stage.set("first run, on this thread: the fiber is pinned here and yields");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
+
+        stage.set("another thread pops it");
+        let other = queue.clone();
+        let (refused, len_after) = std::thread::spawn(move || {
+            let ran = other.run_next().expect("the yielded fiber was requeued");
+            (matches!(ran.outcome, Err(FiberError::WrongThread(_))), other.len())
+        })
+        .join()
+        .unwrap();
+        assert!(refused, "the other thread may not run it");
+        assert_eq!(len_after, 1, "it went back into the queue");
+        assert_eq!(queue.stats().wrong_thread, 1);
+
+        stage.set("its own thread runs it to the end");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(7))));
+        assert!(queue.is_empty());
+        assert_eq!(f.stats().migrations, 0);
+    });
+}
