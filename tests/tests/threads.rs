@@ -297,7 +297,7 @@ fn mixed_fiber_and_thread_waiters_under_load_lose_no_wakeup() {
 
 /// A fiber set with the safe `set_function` is pinned: after a wake, a
 /// worker on another thread that pops it gets `WrongThread`, the fiber
-/// stays runnable, and its own thread can run it.
+/// goes back into the queue, and its own thread runs it.
 #[test]
 fn a_pinned_fiber_refuses_to_run_on_another_thread() {
     watchdog("a_pinned_fiber_refuses_to_run_on_another_thread", 30, |stage| {
@@ -327,9 +327,10 @@ fn a_pinned_fiber_refuses_to_run_on_another_thread() {
             other => panic!("running a pinned fiber elsewhere gave {other:?}"),
         }
         assert!(Fiber::ptr_eq(&back, &f));
-        assert_eq!(f.state(), FiberState::Ready, "the refused run leaves it runnable");
-        assert!(queue.is_empty(), "an error outcome is not requeued");
-        assert_eq!(f.run().unwrap().unwrap_returned(), "home again");
+        assert_eq!(f.state(), FiberState::Queued, "the refused fiber went back into the queue");
+        assert_eq!((queue.len(), queue.stats().wrong_thread), (1, 1));
+        let ran = queue.run_next().expect("its own thread pops it");
+        assert_eq!(ran.outcome.unwrap().unwrap_returned(), "home again");
         assert_eq!(f.stats().migrations, 0);
     });
 }
