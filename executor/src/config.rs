@@ -13,16 +13,28 @@ pub(crate) struct Config {
     pub(crate) time_slice: Duration,
     pub(crate) idle_retire: Duration,
     pub(crate) on_deadlock: OnDeadlock,
+    pub(crate) deadlock_grace: Duration,
     pub(crate) stats_at_shutdown: bool,
 }
 
 /// What deadlock detection does once it has printed its report.
+///
+/// Detection sees the executor only. A fiber asleep on a primitive that a
+/// thread outside the executor will signal (a plain thread feeding a
+/// channel, say) looks deadlocked once that thread has been quiet for the
+/// grace period ([`Builder::deadlock_grace`]). Programs whose fibers wait
+/// for such threads use [`Report`](OnDeadlock::Report) or
+/// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnDeadlock {
     /// Fail the blocked joins with [`JoinError::Deadlock`](crate::JoinError::Deadlock).
     FailJoin,
     /// Abort the process.
     Abort,
+    /// Only print the report (once per episode); the joins keep waiting.
+    Report,
+    /// Do nothing.
+    Ignore,
 }
 
 /// Builds an [`Executor`](crate::Executor).
@@ -48,6 +60,7 @@ pub struct Builder {
     time_slice: Duration,
     idle_retire: Duration,
     on_deadlock: OnDeadlock,
+    deadlock_grace: Duration,
 }
 
 impl Default for Builder {
@@ -61,6 +74,7 @@ impl Default for Builder {
             time_slice: Duration::from_millis(10),
             idle_retire: Duration::from_millis(100),
             on_deadlock: OnDeadlock::FailJoin,
+            deadlock_grace: Duration::from_secs(1),
         }
     }
 }
@@ -117,6 +131,15 @@ impl Builder {
         self
     }
 
+    /// How long the executor must look deadlocked (a thread blocked in a
+    /// join, every worker parked, nothing queued, no timer pending, no
+    /// heartbeat) before it is reported (default 1 s). See [`OnDeadlock`]
+    /// for what detection cannot see.
+    pub fn deadlock_grace(mut self, d: Duration) -> Builder {
+        self.deadlock_grace = d;
+        self
+    }
+
     /// Starts the executor.
     pub fn build(self) -> crate::Executor {
         crate::Executor::start(self.resolve())
@@ -136,6 +159,7 @@ impl Builder {
             time_slice: self.time_slice,
             idle_retire: self.idle_retire,
             on_deadlock: self.on_deadlock,
+            deadlock_grace: self.deadlock_grace,
             stats_at_shutdown: std::env::var("SPINDLE_STATS").is_ok_and(|v| v == "1"),
         }
     }

@@ -29,7 +29,10 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
     let mut watch: Vec<Watch> =
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
-    let mut deadlock_suspect: Option<u64> = None;
+    // Since when (and at which heartbeat sum) the pool has looked
+    // deadlocked, and whether this episode was reported.
+    let mut deadlock_suspect: Option<(u64, Instant)> = None;
+    let mut deadlock_reported = false;
     while !shared.exit.load(Ordering::Acquire) {
         let now = Instant::now();
         shared.timers.fire_due(now);
@@ -67,26 +70,39 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         }
 
         // Deadlock: a thread is blocked in join, every worker is parked,
-        // nothing is queued, no timer is pending, and tasks remain. Two
-        // consecutive looks with no heartbeat in between confirm it.
+        // nothing is queued, no timer is pending, and tasks remain, with no
+        // heartbeat in between, for the grace period. Reported once per
+        // episode (an episode ends when any of that changes).
         let candidate = all_parked
+            && shared.config.on_deadlock != OnDeadlock::Ignore
             && !shared.blocked_joiners.lock().is_empty()
             && !shared.pending_work()
             && shared.timers.is_empty()
             && shared.live() > 0;
-        if candidate {
-            match deadlock_suspect {
-                Some(b) if b == beats => {
+        match deadlock_suspect {
+            Some((b, since)) if candidate && b == beats => {
+                if !deadlock_reported && now - since >= shared.config.deadlock_grace {
                     report_deadlock(&shared);
-                    deadlock_suspect = None;
+                    if shared.config.on_deadlock == OnDeadlock::FailJoin {
+                        // Those joins are failed; a join made after them
+                        // is a new episode.
+                        deadlock_suspect = None;
+                    } else {
+                        deadlock_reported = true;
+                    }
                 }
-                _ => deadlock_suspect = Some(beats),
             }
-        } else {
-            deadlock_suspect = None;
+            _ if candidate => {
+                deadlock_suspect = Some((beats, now));
+                deadlock_reported = false;
+            }
+            _ => {
+                deadlock_suspect = None;
+                deadlock_reported = false;
+            }
         }
 
-        let nap = next_nap(&shared, all_parked, deadlock_suspect.is_some());
+        let nap = next_nap(&shared, all_parked, deadlock_suspect.is_some() && !deadlock_reported);
         let nap = match shared.timers.next_deadline() {
             Some(d) => nap.min(d.saturating_duration_since(Instant::now())),
             None => nap,
@@ -108,7 +124,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
 fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Duration {
     let c = &shared.config;
     if confirming_deadlock {
-        c.sysmon_interval
+        (c.deadlock_grace / 8).min(IDLE_NAP).max(c.sysmon_interval)
     } else if all_parked {
         IDLE_NAP
     } else if shared.active.load(Ordering::Relaxed) < c.max_workers && shared.pending_work() {
@@ -174,8 +190,10 @@ fn report_deadlock(shared: &Shared) {
     }
     shared.stats.deadlocks.fetch_add(1, Ordering::Relaxed);
     eprintln!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
-    if shared.config.on_deadlock == OnDeadlock::Abort {
-        std::process::abort();
+    match shared.config.on_deadlock {
+        OnDeadlock::Abort => std::process::abort(),
+        OnDeadlock::Report | OnDeadlock::Ignore => return,
+        OnDeadlock::FailJoin => {}
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {

@@ -122,3 +122,52 @@ fn a_yield_timeout_woken_early_leaves_no_timer_behind() {
         assert!(stuck.join().unwrap_err().is_deadlock());
     });
 }
+
+#[test]
+fn a_fiber_fed_by_a_thread_outside_is_not_failed_within_the_grace_period() {
+    watchdog("a_fiber_fed_by_a_thread_outside_is_not_failed_within_the_grace_period", 30, |stage| {
+        // Detection cannot see the thread; the grace period covers it.
+        let exec = Executor::builder().workers(2).deadlock_grace(Duration::from_secs(10)).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let feeder_sem = Arc::clone(&sem);
+        let feeder = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200)); // a producer that takes its time
+            feeder_sem.release(1);
+        });
+        stage.set("joining a fiber that waits for a plain thread");
+        let h = exec.spawn(move || sem.acquire());
+        h.join().expect("the thread fed the fiber; no deadlock");
+        assert_eq!(exec.stats().deadlocks, 0);
+        feeder.join().unwrap();
+    });
+}
+
+#[test]
+fn report_only_prints_and_lets_the_join_wait() {
+    watchdog("report_only_prints_and_lets_the_join_wait", 30, |stage| {
+        let exec = Arc::new(
+            Executor::builder()
+                .workers(1)
+                .deadlock_grace(Duration::from_millis(20))
+                .on_deadlock(spindle_executor::OnDeadlock::Report)
+                .build(),
+        );
+        let sem = Arc::new(Semaphore::new(0));
+        let (fiber_sem, watcher_sem, watcher_exec) = (Arc::clone(&sem), Arc::clone(&sem), Arc::clone(&exec));
+        stage.set("a thread joins a fiber that looks deadlocked until the report is out");
+        // Releases the fiber once the report was made: the join must still be waiting then.
+        let watcher = std::thread::spawn(move || {
+            while watcher_exec.stats().deadlocks == 0 {
+                std::thread::yield_now();
+            }
+            watcher_sem.release(1);
+        });
+        let h = exec.spawn(move || {
+            fiber_sem.acquire();
+            "released after the report"
+        });
+        assert_eq!(h.join().unwrap(), "released after the report");
+        assert_eq!(exec.stats().deadlocks, 1, "reported once for the episode");
+        watcher.join().unwrap();
+    });
+}
