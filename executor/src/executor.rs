@@ -98,7 +98,7 @@ impl Executor {
         let (shared, sysmon_parker) = Shared::new(config);
         shared.active.store(base, Ordering::Release);
         for i in 0..base {
-            crate::sysmon::activate(&shared, i);
+            crate::sysmon::activate(&shared, i).expect("spindle-executor: starting a worker thread");
         }
         shared.note_workers();
         let s = Arc::clone(&shared);

@@ -215,6 +215,9 @@ pub(crate) struct Shared {
     pub(crate) global: [Injector<Job>; CLASSES],
     /// Active workers (take fresh work).
     pub(crate) active: AtomicUsize,
+    /// Held while `active` and the workers' `active` flags change
+    /// (scale-up, retirement).
+    pub(crate) scaling: Mutex<()>,
     /// Workers looking for work (spinning before they park).
     pub(crate) searching: CachePadded<AtomicUsize>,
     /// Round-robin cursor for spawns.
@@ -274,6 +277,7 @@ impl Shared {
                 workers,
                 global: Default::default(),
                 active: AtomicUsize::new(0),
+                scaling: Mutex::new(()),
                 searching: CachePadded::new(AtomicUsize::new(0)),
                 next_spawn: CachePadded::new(AtomicUsize::new(0)),
                 blocked_joiners: Mutex::new(Vec::new()),

@@ -137,13 +137,25 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
 /// Adds 50% more workers (at least one), up to the maximum.
 pub(crate) fn scale_up(shared: &Arc<Shared>) {
     let max = shared.config.max_workers;
+    // Retirements change `active` too (worker.rs, `try_retire`): both hold
+    // this lock, so the count and the workers' flags agree.
+    let _scaling = shared.scaling.lock();
     let cur = shared.active.load(Ordering::Acquire);
     if cur >= max {
         return;
     }
-    let target = (cur + (cur / 2).max(1)).min(max);
+    let mut target = (cur + (cur / 2).max(1)).min(max);
     for i in cur..target {
-        activate(shared, i);
+        if let Err(e) = activate(shared, i) {
+            // Out of threads: grow as far as we got, and try again later.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| eprintln!("spindle-executor: cannot add a worker thread for now ({e})"));
+            target = i;
+            break;
+        }
+    }
+    if target == cur {
+        return;
     }
     shared.active.store(target, Ordering::Release);
     shared.note_workers();
@@ -151,20 +163,31 @@ pub(crate) fn scale_up(shared: &Arc<Shared>) {
     crate::trace_event!(from = cur, to = target, "scale up");
 }
 
-/// Makes worker `i` active, starting its thread the first time.
-pub(crate) fn activate(shared: &Arc<Shared>, i: usize) {
+/// Makes worker `i` active, starting its thread the first time. If the
+/// thread cannot be started, the worker stays as it was.
+pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
     let w = &shared.workers[i];
-    w.active.store(true, Ordering::Release);
-    if !w.started.swap(true, Ordering::AcqRel) {
+    if !w.started.load(Ordering::Acquire) {
         let s = Arc::clone(shared);
-        let handle = std::thread::Builder::new()
+        // Marked before the thread runs: the thread reads both.
+        w.active.store(true, Ordering::Release);
+        w.started.store(true, Ordering::Release);
+        let spawned = std::thread::Builder::new()
             .name(format!("spindle-worker-{i}"))
-            .spawn(move || crate::worker::run(s, i))
-            .expect("spawning a worker thread");
-        shared.threads.lock().push(handle);
+            .spawn(move || crate::worker::run(s, i));
+        match spawned {
+            Ok(handle) => shared.threads.lock().push(handle),
+            Err(e) => {
+                w.started.store(false, Ordering::Release);
+                w.active.store(false, Ordering::Release);
+                return Err(e);
+            }
+        }
     } else {
+        w.active.store(true, Ordering::Release);
         w.notify();
     }
+    Ok(())
 }
 
 fn report_deadlock(shared: &Shared) {

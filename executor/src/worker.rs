@@ -311,10 +311,17 @@ impl Worker {
 
     fn idle(&mut self, parker: &Parker) {
         let shared = Arc::clone(&self.ctx.shared);
-        shared.searching.fetch_add(1, Ordering::SeqCst);
+        // Only an active worker counts as searching: a retired one looks at
+        // its own queues only, so a spawner that saw it searching and woke
+        // no one would leave its job to a busy worker.
+        let searching = self.me().active.load(Ordering::Relaxed);
+        if searching {
+            shared.searching.fetch_add(1, Ordering::SeqCst);
+        }
         for _ in 0..SEARCH_ROUNDS {
             if let Some(n) = self.next() {
-                if shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work() {
+                if searching && shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work()
+                {
                     // The last searcher found work and more is pending: get
                     // another worker looking.
                     shared.wake_one_parked();
@@ -324,7 +331,9 @@ impl Worker {
             }
             std::hint::spin_loop();
         }
-        shared.searching.fetch_sub(1, Ordering::SeqCst);
+        if searching {
+            shared.searching.fetch_sub(1, Ordering::SeqCst);
+        }
 
         let me = self.me();
         // Parking protocol, worker steps 1-4 (shared.rs).
@@ -354,6 +363,9 @@ impl Worker {
     fn try_retire(&self) {
         let shared = self.shared();
         let i = self.ctx.index;
+        // Under the scaling lock: a scale-up between the count and the flag
+        // would otherwise activate this worker and then see it deactivated.
+        let _scaling = shared.scaling.lock();
         if shared.active.compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
             self.me().active.store(false, Ordering::Release);
             shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
