@@ -78,6 +78,9 @@ pub(crate) struct Job {
 #[derive(Default)]
 pub(crate) struct ClassQueues {
     pub(crate) q: [std::collections::VecDeque<Task>; CLASSES],
+    /// Set by the worker once it has drained for the last time: a fiber
+    /// woken after that has no thread to run on.
+    pub(crate) closed: bool,
 }
 
 /// Executor-wide counters (rarely written, or written by spawners only).
@@ -197,6 +200,11 @@ impl Schedule<()> for Inbox {
     fn schedule(&self, fiber: Task) {
         let class = class_of(fiber.priority());
         let mut queues = self.queues.lock();
+        if queues.closed {
+            drop(queues);
+            crate::worker::orphaned(fiber);
+            return;
+        }
         queues.q[class].push_back(fiber);
         // Counted under the lock, so a drain never subtracts a fiber that is
         // not counted yet.

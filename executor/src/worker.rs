@@ -380,15 +380,28 @@ impl Worker {
     /// primitives' wait lists) or was queued in the last instant. Dropped on
     /// this thread, where started fibers are pinned.
     fn drain(&mut self) {
-        self.drain_inbox();
-        let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
-        fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
-        for fiber in fibers {
-            if fiber.sched_data() != 0 {
-                let task = take_task(&fiber);
-                let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-                drop(fiber);
-                self.complete(task, Some(err));
+        // Completing a task wakes its joiners, some of them into this very
+        // inbox: drain until it stays empty, then close it (a later wake
+        // finds it closed: `orphaned`).
+        loop {
+            self.drain_inbox();
+            let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
+            fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
+            if fibers.is_empty() {
+                let mut inbox = self.me().inbox.queues.lock();
+                if inbox.q.iter().all(|q| q.is_empty()) {
+                    inbox.closed = true;
+                    break;
+                }
+                continue;
+            }
+            for fiber in fibers {
+                if fiber.sched_data() != 0 {
+                    let task = take_task(&fiber);
+                    let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+                    drop(fiber);
+                    self.complete(task, Some(err));
+                }
             }
         }
         for class in 0..CLASSES {
@@ -400,6 +413,20 @@ impl Worker {
             }
         }
         self.cache.clear();
+    }
+}
+
+/// A fiber woken after its worker closed its inbox (shutdown: a task
+/// completed by another worker's drain woke a joiner pinned here). No
+/// thread will run it again: its join fails as cancelled, and it is dropped
+/// here (its stack, pinned to the exited thread, is leaked and counted by
+/// `spindle_fiber::leaked_stacks` rather than unwound on the wrong thread).
+pub(crate) fn orphaned(fiber: Task) {
+    if fiber.sched_data() != 0 {
+        let task = take_task(&fiber);
+        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+        drop(fiber);
+        task.complete(Some(err));
     }
 }
 

@@ -279,3 +279,37 @@ fn spawns_racing_the_drop_all_complete() {
         }
     });
 }
+
+#[test]
+fn a_joiner_woken_during_the_final_drain_has_its_join_completed() {
+    watchdog("a_joiner_woken_during_the_final_drain_has_its_join_completed", 60, |stage| {
+        for round in 0..common::size(10, 50) {
+            stage.set(format!("round {round}: 'b' joins 'a', which waits forever on a semaphore"));
+            let exec = Executor::builder().workers(2).max_workers(2).build();
+            let never = Arc::new(Semaphore::new(0));
+            let asleep = Flag::new();
+            let a_asleep = asleep.clone();
+            let a = exec.spawn(move || {
+                a_asleep.set();
+                never.acquire();
+            });
+            let joining = Flag::new();
+            let b_joining = joining.clone();
+            let b = exec.spawn(move || {
+                b_joining.set();
+                a.join().is_ok()
+            });
+            while !(asleep.is_set() && joining.is_set()) {
+                std::thread::yield_now();
+            }
+            // The drain completes 'a' (cancelled), which wakes 'b', maybe
+            // after 'b's worker has drained for the last time.
+            drop(exec);
+            stage.set(format!("round {round}: joining 'b' after the drop"));
+            match b.join() {
+                Ok(a_ok) => assert!(!a_ok, "'a' cannot have finished"),
+                Err(e) => assert!(e.is_cancelled(), "{e}"),
+            }
+        }
+    });
+}
