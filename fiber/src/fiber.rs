@@ -339,7 +339,9 @@ impl<T: Send + 'static> Fiber<T> {
     /// - no reference into a thread-local is held (e.g. no suspension inside
     ///   a `LocalKey::with` closure), and thread-locals read after a
     ///   suspension are read through a function that is not inlined into
-    ///   the one that suspended (llvm/llvm-project#98479).
+    ///   the one that suspended (llvm/llvm-project#98479);
+    /// - the fiber does not suspend while it unwinds from a panic (std
+    ///   counts panics per thread).
     pub unsafe fn set_function_migratable<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
     where
         F: FnOnce() -> T + Send + 'static,
@@ -638,7 +640,8 @@ impl<T: Send + 'static> Fiber<T> {
     }
 
     /// For schedulers: `Ready` → `Queued`, remembering `home` as the
-    /// scheduler a wake sends the fiber back to. Undo with
+    /// scheduler a wake sends the fiber back to (`None` keeps the home it
+    /// has; [`set_home`](Fiber::set_home) clears it). Undo with
     /// [`mark_dequeued`](Fiber::mark_dequeued) if the fiber is not queued
     /// after all.
     pub fn mark_queued(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
@@ -677,9 +680,12 @@ impl<T: Send + 'static> Fiber<T> {
 
     /// Finishes a wake the caller owns (state `Locked`).
     ///
-    /// Consumes the waker's reference: it is handed to the scheduler, so
-    /// the waker never ends up holding the last one (which would drop a
-    /// pinned fiber on the waker's thread).
+    /// Consumes the waker's reference: with a home it is handed to the
+    /// scheduler. Without one, the fiber is left `Ready` and the reference
+    /// is dropped here; if nobody else holds the fiber that was the last
+    /// one, and the fiber is released on the waker's thread: unwound there
+    /// if it may run there (its destructors run inside the wake), otherwise
+    /// its stack is leaked and counted (`leaked_stacks`).
     ///
     /// # Safety
     /// The caller holds the state `Locked`.
