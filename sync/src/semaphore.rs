@@ -63,7 +63,8 @@ impl Semaphore {
     }
 
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
-    /// woken at `priority`.
+    /// woken at `priority`, which stays its priority afterwards (as with
+    /// [`set_current_priority`](spindle_fiber::set_current_priority)).
     #[track_caller]
     #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {
@@ -109,6 +110,10 @@ impl Semaphore {
     }
 
     /// Adds `n` tokens, handing them to waiters first, in FIFO order.
+    ///
+    /// # Panics
+    /// If the count of available tokens would pass `usize::MAX` (the
+    /// tokens handed to waiters before that stay handed).
     pub fn release(&self, n: usize) {
         let mut left = n;
         while left > 0 {
@@ -120,7 +125,11 @@ impl Semaphore {
                     left -= 1;
                 }
                 None => {
-                    synced.tokens += left;
+                    // Checked in every build: a wrapped count would hand
+                    // out tokens that were never released.
+                    synced.tokens = synced.tokens.checked_add(left).unwrap_or_else(|| {
+                        panic!("spindle-sync: Semaphore::release({n}) overflows the token count")
+                    });
                     return;
                 }
             }

@@ -442,3 +442,15 @@ fn a_token_handed_to_a_fiber_dropped_before_it_ran_is_given_back() {
         assert!(matches!(second.run(), Ok(RunOutcome::Returned(()))));
     });
 }
+
+/// A release that would wrap the token count panics instead, in every build.
+#[test]
+fn a_release_that_overflows_the_count_panics() {
+    let sem = Semaphore::new(usize::MAX - 1);
+    sem.release(1);
+    assert_eq!(sem.available(), usize::MAX);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sem.release(1)));
+    let msg = r.expect_err("the count would wrap");
+    assert!(msg.downcast_ref::<String>().is_some_and(|m| m.contains("overflows")), "{msg:?}");
+    assert_eq!(sem.available(), usize::MAX, "the count is unchanged");
+}
