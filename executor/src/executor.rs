@@ -17,7 +17,9 @@ use crate::task::{JoinError, TaskCell, TaskRef};
 /// Dropping it shuts it down: workers and sysmon stop, fibers still queued
 /// or asleep in the executor (in `sleep`, `join`, a yield) are unwound on
 /// their worker and their joins fail with [`JoinError::Cancelled`], and
-/// every thread is joined.
+/// every thread is joined before `drop` returns. (Dropped inside one of its
+/// own fibers, it cannot wait for that fiber: the shutdown then runs on a
+/// thread of its own, and `drop` returns at once.)
 ///
 /// ```
 /// use spindle_executor::Executor;

@@ -161,6 +161,18 @@ where
     // "panicking" for every fiber that runs on it meanwhile.
     let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
     let state = &scope.state;
+    // Waits by blocking the thread if the wait below is itself unwound (a
+    // woken fiber dropped before it ran again is unwound from its sleep):
+    // `scope` must not be left while scoped fibers may use the borrows.
+    struct WaitWhileUnwinding<'a>(&'a ScopeState);
+    impl Drop for WaitWhileUnwinding<'_> {
+        fn drop(&mut self) {
+            while self.0.pending.load(Ordering::Acquire) > 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+    let unwinding = WaitWhileUnwinding(state);
     if spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() {
         // The stack of a dropped fiber being unwound, which cannot suspend:
         // block the thread (the scoped fibers must finish elsewhere).
@@ -174,6 +186,7 @@ where
             state.done.acquire();
         }
     }
+    std::mem::forget(unwinding);
     match result {
         Err(payload) => resume_unwind(payload),
         Ok(_) if state.unwound.load(Ordering::Acquire) > 0 => {

@@ -241,9 +241,11 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
 
 impl<T, F> Drop for TaskCell<T, F> {
     fn drop(&mut self) {
+        // A panic, or a cancel that unwound a started fiber, nobody joined
+        // (a job cancelled before it started did not unwind).
         let unwound = matches!(
             self.head.error.get_mut().as_deref(),
-            Some(JoinError::Panicked { .. } | JoinError::Cancelled { .. })
+            Some(JoinError::Panicked { .. } | JoinError::Cancelled { fiber: Some(_), .. })
         );
         let (result, job, error) =
             (self.result.get_mut().take(), self.job.get_mut().take(), self.head.error.get_mut().take());

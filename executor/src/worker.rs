@@ -419,8 +419,9 @@ impl Worker {
 /// A fiber woken after its worker closed its inbox (shutdown: a task
 /// completed by another worker's drain woke a joiner pinned here). No
 /// thread will run it again: its join fails as cancelled, and it is dropped
-/// here (its stack, pinned to the exited thread, is leaked and counted by
-/// `spindle_fiber::leaked_stacks` rather than unwound on the wrong thread).
+/// here: unwound if this is its worker's thread, else its stack is leaked
+/// and counted by `spindle_fiber::leaked_stacks` rather than unwound on the
+/// wrong thread.
 pub(crate) fn orphaned(fiber: Task) {
     if fiber.sched_data() != 0 {
         let task = take_task(&fiber);

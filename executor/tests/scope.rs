@@ -252,3 +252,46 @@ fn a_scope_whose_body_panics_inside_a_fiber_waits_on_the_same_worker() {
         assert!(done.is_set(), "the scoped fiber finished before the scope unwound");
     });
 }
+
+#[test]
+fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
+    watchdog("a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers", 30, |stage| {
+        use spindle_fiber::{Fiber, FiberAttr, FiberState, Priority, RunOutcome};
+        let exec = Executor::builder().workers(1).build();
+        let handle = exec.handle();
+        let (quick_done, go, slow_done) = (Flag::new(), Flag::new(), Flag::new());
+        let (q, g, d) = (quick_done.clone(), go.clone(), slow_done.clone());
+        // A plain fiber (no executor) opens a scope over a local of its own
+        // stack and waits in it.
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let local = [1u64, 2, 3];
+                let local = &local;
+                handle.scope(|s| {
+                    s.spawn(move || q.set());
+                    s.spawn(move || {
+                        while !g.is_set() {
+                            yield_now();
+                        }
+                        for _ in 0..100 {
+                            yield_now();
+                        }
+                        assert_eq!(local.iter().sum::<u64>(), 6);
+                        d.set();
+                    });
+                });
+            })
+            .unwrap();
+        stage.set("the fiber waits in its scope");
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        stage.set("the quick scoped fiber ends and wakes the waiting fiber");
+        while !(quick_done.is_set() && fiber.state() == FiberState::Ready) {
+            std::thread::yield_now();
+        }
+        stage.set("dropping the woken fiber: its scope must wait for the slow fiber first");
+        go.set();
+        drop(fiber);
+        assert!(slow_done.is_set(), "the scope was left while a scoped fiber still used its borrow");
+    });
+}

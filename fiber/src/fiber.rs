@@ -288,6 +288,7 @@ impl<T: Send + 'static> Fiber<T> {
             guard: stack.guard_range(),
             yielder: AtomicPtr::new(std::ptr::null_mut()),
             last_thread: AtomicU64::new(0),
+            pinned_to: AtomicU64::new(0),
             counters: Counters::default(),
             vtable: &Self::VTABLE,
             sched_data: AtomicUsize::new(0),
@@ -416,6 +417,7 @@ impl<T: Send + 'static> Fiber<T> {
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
+        h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
         slot.pin = NO_PIN;
         h.priority.store(priority.0, Ordering::Relaxed);
@@ -597,6 +599,9 @@ impl<T: Send + 'static> Fiber<T> {
         }
         // SAFETY: as above.
         unsafe { (*slot).pin = me };
+        if !migratable {
+            h.pinned_to.store(me, Ordering::Relaxed);
+        }
         true
     }
 
@@ -633,6 +638,7 @@ impl<T: Send + 'static> Fiber<T> {
         let coro = slot.coro.take().expect("finished fiber had a coroutine");
         slot.stack = Some(coro.into_stack());
         slot.pin = NO_PIN;
+        self.header().pinned_to.store(0, Ordering::Relaxed);
         self.header()
             .yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -760,6 +766,30 @@ impl<T> Fiber<T> {
                 FiberState::Ready => FiberError::NotQueued(self.header().id),
                 other => self.run_error(other),
             })
+    }
+
+    /// Whether [`run`](Fiber::run) on the calling thread would be allowed
+    /// as far as threads go (it is not refused with
+    /// [`WrongThread`](FiberError::WrongThread)): the function is
+    /// migratable, has not run yet, or is pinned to this thread. For
+    /// schedulers whose queues several threads pop.
+    ///
+    /// ```
+    /// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority};
+    ///
+    /// let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || yield_now()).unwrap();
+    /// assert!(fiber.may_run_here()); // not run yet
+    /// fiber.run().unwrap(); // now pinned to this thread
+    /// assert!(fiber.may_run_here());
+    /// let f = fiber.clone();
+    /// assert!(!std::thread::spawn(move || f.may_run_here()).join().unwrap());
+    /// ```
+    pub fn may_run_here(&self) -> bool {
+        match self.header().pinned_to.load(Ordering::Relaxed) {
+            0 => true,
+            t => t == thread_id(),
+        }
     }
 
     /// The fiber's process-unique id.

@@ -170,6 +170,10 @@ pub(crate) struct Header {
     pub(crate) unwinding_for_drop: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
+    /// The thread a pinned function is bound to once it has run (0: none,
+    /// the function is migratable or has not run). Written on the cold
+    /// paths that bind and unbind it; read by `Fiber::may_run_here`.
+    pub(crate) pinned_to: AtomicU64,
     pub(crate) counters: Counters,
     pub(crate) vtable: &'static VTable,
     /// A word for the scheduler's use (`Fiber::set_sched_data`).

@@ -21,6 +21,11 @@
 //! and notifies). Both read and write `sleepers` under the lock, so there is
 //! no third order.
 //!
+//! A pop hands out only fibers the popping thread may run; one pinned to
+//! another thread is set aside for it (under the lock), and the popper then
+//! notifies every parked popper, so that its thread, if parked, wakes and
+//! takes it (step 1 looks at the set-aside fibers first).
+//!
 //! `run_queue/tests/loom.rs` model-checks this file's code under loom: the
 //! `sync` module at the end swaps parking_lot for loom's mutex and condvar when
 //! built with `--cfg loom` (loom cannot see parking_lot).
@@ -57,10 +62,6 @@ impl<T> Levels<T> {
 
     fn len(&self) -> usize {
         self.len
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     fn push(&mut self, fiber: Fiber<T>, level: Priority) {
@@ -105,6 +106,9 @@ impl<T> Levels<T> {
 /// Everything guarded by the queue's mutex.
 struct Synced<T> {
     heap: Levels<T>,
+    /// Fibers (`Queued`) pinned to a thread other than the one that popped
+    /// them, oldest first: only their own thread takes them. Usually empty.
+    elsewhere: Vec<Fiber<T>>,
     /// Poppers parked on the condvar.
     sleepers: usize,
     /// Counters: plain fields, since every operation holds the lock anyway.
@@ -112,19 +116,43 @@ struct Synced<T> {
 }
 
 impl<T> Synced<T> {
-    /// Pops under the lock, counting, and refreshes the length hint.
-    fn pop(&mut self, len_hint: &AtomicUsize) -> Option<Fiber<T>> {
-        match self.heap.pop() {
-            Some(f) => {
-                self.stats.pops += 1;
-                len_hint.store(self.heap.len(), Ordering::Relaxed);
-                Some(f)
+    /// Fibers in the queue, including those set aside for their threads.
+    fn len(&self) -> usize {
+        self.heap.len() + self.elsewhere.len()
+    }
+
+    /// Pops, under the lock, the next fiber the calling thread may run
+    /// (`Fiber::may_run_here`): one set aside for this thread first, then
+    /// the highest priority. A fiber pinned to another thread met on the
+    /// way is set aside for it instead of being handed out (its `run` would
+    /// be refused), and the second value says so: the caller then wakes
+    /// every parked popper, since one of them may be its thread. `None`:
+    /// nothing here for this thread. Counts, and refreshes the length hint.
+    fn pop(&mut self, len_hint: &AtomicUsize, count_empty: bool) -> (Option<Fiber<T>>, bool) {
+        let mut set_aside = false;
+        let found = 'found: {
+            if !self.elsewhere.is_empty() {
+                if let Some(i) = self.elsewhere.iter().position(Fiber::may_run_here) {
+                    break 'found Some(self.elsewhere.remove(i));
+                }
             }
-            None => {
-                self.stats.empty_pops += 1;
-                None
+            while let Some(f) = self.heap.pop() {
+                if f.may_run_here() {
+                    break 'found Some(f);
+                }
+                self.stats.wrong_thread += 1;
+                self.elsewhere.push(f);
+                set_aside = true;
             }
+            None
+        };
+        match found {
+            Some(_) => self.stats.pops += 1,
+            None if count_empty => self.stats.empty_pops += 1,
+            None => {}
         }
+        len_hint.store(self.len(), Ordering::Relaxed);
+        (found, set_aside)
     }
 }
 
@@ -237,7 +265,12 @@ impl<T: Send + 'static> RunQueue<T> {
         let shared = Arc::new(Shared {
             handles: AtomicUsize::new(1),
             capacity,
-            synced: Mutex::new(Synced { heap: Levels::new(), sleepers: 0, stats: RunQueueStats::default() }),
+            synced: Mutex::new(Synced {
+                heap: Levels::new(),
+                elsewhere: Vec::new(),
+                sleepers: 0,
+                stats: RunQueueStats::default(),
+            }),
             not_empty: Condvar::new(),
             len_hint: AtomicUsize::new(0),
         });
@@ -251,7 +284,7 @@ impl<T: Send + 'static> RunQueue<T> {
     /// the error: nothing is lost.
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
         let mut synced = self.shared.synced.lock();
-        if synced.heap.len() >= self.shared.capacity {
+        if synced.len() >= self.shared.capacity {
             synced.stats.full_pushes += 1;
             drop(synced);
             return Err(PushError::Full(fiber));
@@ -265,10 +298,12 @@ impl<T: Send + 'static> RunQueue<T> {
         Ok(())
     }
 
-    /// Pops the highest-priority fiber, or `None` if the queue is empty.
+    /// Pops the highest-priority fiber the calling thread may run, or
+    /// `None` if there is none. A fiber pinned to another thread (see
+    /// [`Fiber::may_run_here`]) is left in the queue for that thread.
     pub fn try_pop(&self) -> Option<Fiber<T>> {
-        let popped = self.shared.synced.lock().pop(&self.shared.len_hint);
-        finish_pop(popped)
+        let popped = self.shared.synced.lock().pop(&self.shared.len_hint, true);
+        self.shared.finish_pop(popped)
     }
 
     /// Pops the highest-priority fiber, waiting up to `timeout` for one:
@@ -289,10 +324,13 @@ impl<T: Send + 'static> RunQueue<T> {
         let mut synced = self.shared.synced.lock();
         loop {
             // Empty checks while waiting are not counted; the outcome is.
-            if !synced.heap.is_empty() {
-                let popped = synced.pop(&self.shared.len_hint);
+            let (popped, set_aside) = synced.pop(&self.shared.len_hint, false);
+            if set_aside {
+                self.shared.not_empty.notify_all();
+            }
+            if popped.is_some() {
                 drop(synced);
-                return finish_pop(popped);
+                return self.shared.finish_pop((popped, false));
             }
             synced.sleepers += 1;
             synced.stats.parks += 1;
@@ -305,9 +343,9 @@ impl<T: Send + 'static> RunQueue<T> {
             };
             synced.sleepers -= 1;
             if timed_out {
-                let popped = synced.pop(&self.shared.len_hint);
+                let popped = synced.pop(&self.shared.len_hint, true);
                 drop(synced);
-                return finish_pop(popped);
+                return self.shared.finish_pop(popped);
             }
         }
     }
@@ -323,12 +361,12 @@ impl<T: Send + 'static> RunQueue<T> {
             return None;
         }
         let mut synced = self.shared.synced.try_lock()?;
-        if synced.heap.is_empty() {
+        if synced.len() == 0 {
             return None;
         }
-        let popped = synced.pop(&self.shared.len_hint);
+        let popped = synced.pop(&self.shared.len_hint, false);
         drop(synced);
-        finish_pop(popped)
+        self.shared.finish_pop(popped)
     }
 
     /// Pops the next fiber and runs it on this thread until it suspends. A
@@ -342,10 +380,11 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Runs a fiber popped from this queue until it suspends, pushing it
-    /// back if it yielded (see [`run_next`](RunQueue::run_next)). A fiber
-    /// pinned to another thread (a safe `set_function`, run there before)
-    /// is not run: it goes back into the queue for its own thread to pop,
-    /// and the outcome is [`FiberError::WrongThread`].
+    /// back if it yielded (see [`run_next`](RunQueue::run_next)). Pops
+    /// only hand out fibers the popping thread may run; a fiber pinned to
+    /// another thread that reaches this anyway (popped on one thread, run
+    /// on another) is not run: it goes back into the queue, set aside for
+    /// its own thread, and the outcome is [`FiberError::WrongThread`].
     ///
     /// [`FiberError::WrongThread`]: spindle_fiber::FiberError::WrongThread
     #[inline]
@@ -362,8 +401,14 @@ impl<T: Send + 'static> RunQueue<T> {
 
     #[cold]
     fn wrong_thread(&self, fiber: &Fiber<T>) {
-        self.shared.synced.lock().stats.wrong_thread += 1;
-        self.requeue(fiber);
+        if fiber.mark_queued(Some(&self.home)).is_ok() {
+            let mut synced = self.shared.synced.lock();
+            synced.stats.wrong_thread += 1;
+            synced.elsewhere.push(fiber.clone());
+            self.shared.len_hint.store(synced.len(), Ordering::Relaxed);
+            drop(synced);
+            self.shared.not_empty.notify_all();
+        }
     }
 
     /// Pushes back a fiber that just yielded. Its place was freed when it
@@ -389,7 +434,7 @@ impl<T: Send + 'static> RunQueue<T> {
 impl<T> RunQueue<T> {
     /// Fibers in the queue now.
     pub fn len(&self) -> usize {
-        self.shared.synced.lock().heap.len()
+        self.shared.synced.lock().len()
     }
 
     /// Whether the queue is empty now.
@@ -415,7 +460,7 @@ impl<T> Shared<T> {
         let level = fiber.priority();
         synced.heap.push(fiber, level);
         synced.stats.pushes += 1;
-        self.len_hint.store(synced.heap.len(), Ordering::Relaxed);
+        self.len_hint.store(synced.len(), Ordering::Relaxed);
         let sleepers = synced.sleepers;
         drop(synced);
         if sleepers > 0 {
@@ -424,15 +469,22 @@ impl<T> Shared<T> {
     }
 }
 
-/// Outside the lock: a popped fiber goes from `Queued` to `Ready`. One
-/// that someone took out of `Queued` by hand while it was in the queue
-/// (`mark_dequeued` is public) is handed out as it is: running it reports
-/// its state instead of this panicking in the popper.
-fn finish_pop<T>(popped: Option<Fiber<T>>) -> Option<Fiber<T>> {
-    if let Some(f) = &popped {
-        let _ = f.mark_dequeued();
+impl<T> Shared<T> {
+    /// Outside the lock: wakes every parked popper if the pop set a fiber
+    /// aside for its thread (one of them may be it); the popped fiber goes
+    /// from `Queued` to `Ready`. One that someone took out of `Queued` by
+    /// hand while it was in the queue (`mark_dequeued` is public) is handed
+    /// out as it is: running it reports its state instead of this panicking
+    /// in the popper.
+    fn finish_pop(&self, (popped, set_aside): (Option<Fiber<T>>, bool)) -> Option<Fiber<T>> {
+        if set_aside {
+            self.not_empty.notify_all();
+        }
+        if let Some(f) = &popped {
+            let _ = f.mark_dequeued();
+        }
+        popped
     }
-    popped
 }
 
 impl<T: Send + 'static> Schedule<T> for Shared<T> {
@@ -468,7 +520,9 @@ impl<T> Drop for RunQueue<T> {
         }
         let drained: Vec<Fiber<T>> = {
             let mut synced = self.shared.synced.lock();
-            std::iter::from_fn(|| synced.heap.pop()).collect()
+            let mut all: Vec<Fiber<T>> = std::iter::from_fn(|| synced.heap.pop()).collect();
+            all.append(&mut synced.elsewhere);
+            all
         };
         for f in drained {
             let _ = f.mark_dequeued();
@@ -544,6 +598,10 @@ mod sync {
 
         pub(crate) fn notify_one(&self) {
             self.0.notify_one();
+        }
+
+        pub(crate) fn notify_all(&self) {
+            self.0.notify_all();
         }
 
         pub(crate) fn wait<T>(&self, guard: &mut MutexGuard<'_, T>) {

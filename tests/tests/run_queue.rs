@@ -482,8 +482,8 @@ fn dropping_a_queue_releases_the_fibers_in_it() {
     );
 }
 
-/// A pinned fiber popped by a thread other than its own is not lost: it
-/// goes back into the queue, and its own thread runs it.
+/// A pinned fiber is not handed to a thread other than its own: it stays
+/// in the queue, set aside, and its own thread runs it.
 #[test]
 fn a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own() {
     watchdog("a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own", 30, |stage| {
@@ -496,21 +496,59 @@ fn a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own() {
         stage.set("first run, on this thread: the fiber is pinned here and yields");
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
 
-        stage.set("another thread pops it");
+        stage.set("another thread looks: the fiber is not handed to it");
         let other = queue.clone();
-        let (refused, len_after) = std::thread::spawn(move || {
-            let ran = other.run_next().expect("the yielded fiber was requeued");
-            (matches!(ran.outcome, Err(FiberError::WrongThread(_))), other.len())
+        let (popped, len_after) = std::thread::spawn(move || {
+            let ran = other.run_next();
+            (ran.is_some(), other.len())
         })
         .join()
         .unwrap();
-        assert!(refused, "the other thread may not run it");
-        assert_eq!(len_after, 1, "it went back into the queue");
+        assert!(!popped, "a thread that may not run it does not get it");
+        assert_eq!(len_after, 1, "it stays in the queue, set aside for its thread");
         assert_eq!(queue.stats().wrong_thread, 1);
 
         stage.set("its own thread runs it to the end");
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(7))));
         assert!(queue.is_empty());
         assert_eq!(f.stats().migrations, 0);
+    });
+}
+
+/// A thread parked on the queue gets a fiber pinned to it that was woken
+/// into the queue, even when another thread's pop sees it first and sets
+/// it aside.
+#[test]
+fn a_parked_owner_wakes_for_a_fiber_set_aside_for_it() {
+    watchdog("a_parked_owner_wakes_for_a_fiber_set_aside_for_it", 30, |stage| {
+        let queue = RunQueue::<u32>::new(4);
+        let sem = Arc::new(Semaphore::new(0));
+        let owner_queue = queue.clone();
+        let s = sem.clone();
+        stage.set("the owner thread runs a fiber until it sleeps, then parks on the queue");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let owner = std::thread::spawn(move || {
+            let f = fiber(Priority::NORMAL, move || {
+                s.acquire();
+                5
+            });
+            owner_queue.try_push(f).unwrap();
+            assert!(matches!(owner_queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+            tx.send(()).unwrap();
+            // Parks: the woken fiber is only handed to this thread.
+            let f = owner_queue.pop_timeout(Duration::from_secs(60)).expect("woken by the set-aside");
+            owner_queue.run_popped(f).outcome.unwrap().unwrap_returned()
+        });
+        rx.recv().unwrap();
+        stage.set("waiting for the owner to park");
+        spin_until(|| queue.stats().parks >= 1);
+        stage.set("the release wakes the fiber into the queue; this thread's pop sets it aside");
+        // The wake notifies the parked owner too; whichever pops first, the
+        // owner must end up running it (if this pop sets it aside, only
+        // the set-aside's own notification wakes the owner again).
+        sem.release(1);
+        assert!(queue.try_pop().is_none(), "not this thread's fiber");
+        assert_eq!(owner.join().unwrap(), 5);
+        assert!(queue.stats().wrong_thread <= 1);
     });
 }

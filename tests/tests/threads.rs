@@ -296,8 +296,9 @@ fn mixed_fiber_and_thread_waiters_under_load_lose_no_wakeup() {
 }
 
 /// A fiber set with the safe `set_function` is pinned: after a wake, a
-/// worker on another thread that pops it gets `WrongThread`, the fiber
-/// goes back into the queue, and its own thread runs it.
+/// thread that is handed it anyway gets `WrongThread`, the fiber goes back
+/// into the queue for its thread (no other thread's pop gets it), and its
+/// own thread runs it.
 #[test]
 fn a_pinned_fiber_refuses_to_run_on_another_thread() {
     watchdog("a_pinned_fiber_refuses_to_run_on_another_thread", 30, |stage| {
@@ -313,15 +314,17 @@ fn a_pinned_fiber_refuses_to_run_on_another_thread() {
         sem.release(1);
         assert_eq!(queue.len(), 1);
 
-        stage.set("another thread pops and tries to run the pinned fiber");
+        stage.set("another thread is not handed the pinned fiber, and refuses to run it");
+        let popped = queue.try_pop().expect("its own thread is handed it");
         let q = queue.clone();
-        let (back, error) = thread::spawn(move || {
-            let popped = q.try_pop().expect("the woken fiber is queued");
+        // Handed to another thread anyway (popped here, run there).
+        let (back, error, foreign_pop) = thread::spawn(move || {
             let ran = q.run_popped(popped);
-            (ran.fiber, ran.outcome.err())
+            (ran.fiber, ran.outcome.err(), q.try_pop().is_some())
         })
         .join()
         .unwrap();
+        assert!(!foreign_pop, "a pop on another thread does not hand it out");
         match error {
             Some(FiberError::WrongThread(id)) => assert_eq!(id, f.id()),
             other => panic!("running a pinned fiber elsewhere gave {other:?}"),
