@@ -913,6 +913,10 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             && (slot.migratable || slot.pin == thread_id());
         if unwind_here {
             let mut coro = slot.coro.take().expect("checked above");
+            // The function is over, whatever the unwind does: the fiber is
+            // bound to no thread any more (`may_run_here`).
+            slot.pin = NO_PIN;
+            arc.header.pinned_to.store(0, Ordering::Relaxed);
             // Unwind with this fiber current, so that code in
             // destructors sees where it runs. Code that catches the forced
             // unwind may suspend again (corosensei then restarts the

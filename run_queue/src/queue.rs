@@ -71,6 +71,12 @@ impl<T> Levels<T> {
         self.len += 1;
     }
 
+    /// The highest non-empty level.
+    fn top(&self) -> Option<Priority> {
+        let word = (0..4).rev().find(|&w| self.occupied[w] != 0)?;
+        Some(Priority((word * 64 + (63 - self.occupied[word].leading_zeros() as usize)) as u8))
+    }
+
     fn pop(&mut self) -> Option<Fiber<T>> {
         let word = (0..4).rev().find(|&w| self.occupied[w] != 0)?;
         let p = word * 64 + (63 - self.occupied[word].leading_zeros() as usize);
@@ -130,21 +136,30 @@ impl<T> Synced<T> {
     /// nothing here for this thread. Counts, and refreshes the length hint.
     fn pop(&mut self, len_hint: &AtomicUsize, count_empty: bool) -> (Option<Fiber<T>>, bool) {
         let mut set_aside = false;
-        let found = 'found: {
-            if !self.elsewhere.is_empty() {
-                if let Some(i) = self.elsewhere.iter().position(Fiber::may_run_here) {
-                    break 'found Some(self.elsewhere.remove(i));
+        // The highest-priority fiber set aside for this thread (the oldest
+        // among equals), if any: usually there is none to look at.
+        let mut mine: Option<(usize, Priority)> = None;
+        for (i, f) in self.elsewhere.iter().enumerate() {
+            let p = f.priority();
+            if mine.map_or(true, |(_, best)| p > best) && f.may_run_here() {
+                mine = Some((i, p));
+            }
+        }
+        let found = loop {
+            match (mine, self.heap.top()) {
+                // Set aside before the heap's fibers of its level: older.
+                (Some((i, p)), top) if top.map_or(true, |t| t <= p) => break Some(self.elsewhere.remove(i)),
+                (_, None) => break None,
+                _ => {
+                    let f = self.heap.pop().expect("the heap has a top level");
+                    if f.may_run_here() {
+                        break Some(f);
+                    }
+                    self.stats.wrong_thread += 1;
+                    self.elsewhere.push(f);
+                    set_aside = true;
                 }
             }
-            while let Some(f) = self.heap.pop() {
-                if f.may_run_here() {
-                    break 'found Some(f);
-                }
-                self.stats.wrong_thread += 1;
-                self.elsewhere.push(f);
-                set_aside = true;
-            }
-            None
         };
         match found {
             Some(_) => self.stats.pops += 1,
@@ -177,7 +192,8 @@ pub struct RunQueueStats {
     pub pushes: u64,
     /// Fibers popped.
     pub pops: u64,
-    /// Pops that found the queue empty.
+    /// Pops that found nothing the popping thread may run (usually: the
+    /// queue was empty).
     pub empty_pops: u64,
     /// `try_push` calls refused because the queue was full.
     pub full_pushes: u64,
@@ -185,8 +201,8 @@ pub struct RunQueueStats {
     pub wakes: u64,
     /// Times a popper parked its thread.
     pub parks: u64,
-    /// Popped fibers pinned to another thread, pushed back for it to pop
-    /// (see [`RunQueue::run_popped`]).
+    /// Fibers pinned to another thread that a pop (or
+    /// [`RunQueue::run_popped`]) set aside for their own thread.
     pub wrong_thread: u64,
 }
 
@@ -372,7 +388,7 @@ impl<T: Send + 'static> RunQueue<T> {
     /// Pops the next fiber and runs it on this thread until it suspends. A
     /// fiber that yielded is pushed back (behind its equals) before this
     /// returns; one that slept belongs to whatever it sleeps on. `None` if
-    /// the queue was empty.
+    /// the queue held nothing this thread may run.
     #[inline]
     pub fn run_next(&self) -> Option<Ran<T>> {
         let fiber = self.try_pop()?;
@@ -422,7 +438,8 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Changes the priority of `fiber`; if it is in this queue it moves to
-    /// its new place at once (behind fibers already at that priority).
+    /// its new place at once (behind fibers already at that priority; one
+    /// set aside for its thread is picked by its new priority).
     pub fn set_priority(&self, fiber: &Fiber<T>, priority: Priority) {
         fiber.set_priority(priority);
         let mut synced = self.shared.synced.lock();

@@ -552,3 +552,33 @@ fn a_parked_owner_wakes_for_a_fiber_set_aside_for_it() {
         assert!(queue.stats().wrong_thread <= 1);
     });
 }
+
+/// A fiber set aside for its thread keeps its priority: its thread still
+/// gets a higher-priority fiber pushed later first, and a lower one after.
+#[test]
+fn a_fiber_set_aside_keeps_its_place_by_priority() {
+    watchdog("a_fiber_set_aside_keeps_its_place_by_priority", 30, |stage| {
+        let queue = RunQueue::<&'static str>::new(8);
+        let pinned = fiber(Priority(100), || {
+            spindle_fiber::yield_now();
+            "pinned"
+        });
+        queue.try_push(pinned).unwrap();
+        stage.set("run the pinned fiber once here, then let another thread set it aside");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
+        let other = queue.clone();
+        assert!(std::thread::spawn(move || other.try_pop().is_none()).join().unwrap());
+        assert_eq!(queue.stats().wrong_thread, 1);
+
+        queue.try_push(fiber(Priority(200), || "higher")).unwrap();
+        queue.try_push(fiber(Priority(50), || "lower")).unwrap();
+        let order: Vec<_> = std::iter::from_fn(|| queue.run_next())
+            .map(|r| r.outcome.unwrap())
+            .filter_map(|o| match o {
+                RunOutcome::Returned(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(order, ["higher", "pinned", "lower"]);
+    });
+}
