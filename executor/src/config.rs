@@ -17,7 +17,8 @@ pub(crate) struct Config {
     pub(crate) stats_at_shutdown: bool,
 }
 
-/// What deadlock detection does once it has printed its report.
+/// What deadlock detection does when it finds one (`Ignore`: detection is
+/// off).
 ///
 /// Detection sees the executor only. A fiber asleep on a primitive that a
 /// thread outside the executor will signal (a plain thread feeding a

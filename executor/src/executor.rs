@@ -474,19 +474,21 @@ impl<T: Send> JoinHandle<T> {
         ))
     }
 
-    /// Asks the fiber to stop: it unwinds (destructors run) at its next
-    /// executor suspension point (`yield_now`, `sleep`, `yield_timeout`,
-    /// `yield_if_needed`, or when next taken from a queue), and
+    /// Asks the fiber to stop: a job not started yet never runs (its
+    /// closure is dropped); a started fiber unwinds (destructors run) at its
+    /// next executor suspension point (`yield_now`, `sleep`,
+    /// `yield_timeout`, `join`, or `yield_if_needed` when it yields), and
     /// [`join`](JoinHandle::join) returns [`JoinError::Cancelled`]. A fiber
     /// asleep in `sleep` or `yield_timeout` is woken at once; one asleep on
-    /// a `spindle-sync` primitive is unwound when that wakes it.
+    /// a `spindle-sync` primitive first gets what it waits for, then unwinds
+    /// at its next executor suspension point.
     pub fn cancel(&self) {
         self.task.cancelled.store(true, Ordering::Release);
         self.wake();
     }
 
-    /// Ends a [`yield_timeout`](crate::yield_timeout) of the fiber early
-    /// (Tarantool's `fiber_wakeup`). No effect otherwise.
+    /// Ends a [`sleep`](crate::sleep) or [`yield_timeout`](crate::yield_timeout)
+    /// of the fiber early (Tarantool's `fiber_wakeup`). No effect otherwise.
     pub fn wake(&self) {
         let waiter = self.task.sleep.lock().waiter.take();
         if let Some(w) = waiter {

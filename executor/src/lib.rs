@@ -41,14 +41,14 @@
 //! assert_send::<spindle_executor::JoinHandle<String>>();
 //! ```
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! fn assert_sync<T: Sync>() {}
 //! assert_sync::<spindle_executor::JoinHandle<String>>();
 //! ```
 //!
 //! Spawned closures and their values must be `Send`:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! let exec = spindle_executor::Executor::builder().workers(1).build();
 //! let rc = std::rc::Rc::new(1);
 //! exec.spawn(move || *rc);

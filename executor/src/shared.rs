@@ -11,8 +11,8 @@
 //! * `resumed` (owned by the worker thread, in `worker.rs`): fibers it ran
 //!   that yielded.
 //!
-//! One `global[class]` injector takes spawns when no worker is running yet
-//! and overflow; every worker polls it.
+//! One `global[class]` injector takes jobs put back when no stack could be
+//! mapped for them; active workers poll it.
 //!
 //! # Parking protocol
 //!

@@ -4,7 +4,8 @@
 //!
 //! Every `sysmon_interval` (250 µs by default) while anything is going on;
 //! when every worker is parked and no timer is pending it sleeps longer
-//! (until woken by a spawn from outside, a timer registration, or shutdown).
+//! (until woken by a timer registration, a thread blocking in a join, or
+//! shutdown).
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -119,8 +120,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
 /// * otherwise (the pool is at its maximum, or nothing waits): only the
 ///   time slices need watching, at half a slice.
 ///
-/// Timers cap the nap (the caller), and spawns from outside, timer
-/// registrations and blocked joins wake sysmon early.
+/// Timers cap the nap (the caller), and timer registrations and blocked
+/// joins wake sysmon early. While a deadlock is suspected it looks every
+/// eighth of the grace period (between the sysmon interval and 10 ms).
 fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Duration {
     let c = &shared.config;
     if confirming_deadlock {

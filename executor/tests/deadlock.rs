@@ -72,7 +72,8 @@ fn two_fibers_waiting_on_each_other_are_reported() {
 #[test]
 fn a_pending_timer_is_not_a_deadlock() {
     watchdog("a_pending_timer_is_not_a_deadlock", 30, |stage| {
-        let exec = Executor::builder().workers(2).build();
+        // A grace period well inside the timer: detection does look.
+        let exec = Executor::builder().workers(2).deadlock_grace(Duration::from_millis(20)).build();
         stage.set("joining a fiber asleep on a timer");
         let h = exec.spawn(|| {
             sleep(Duration::from_millis(300));
@@ -131,7 +132,12 @@ fn a_fiber_fed_by_a_thread_outside_is_not_failed_within_the_grace_period() {
         let sem = Arc::new(Semaphore::new(0));
         let feeder_sem = Arc::clone(&sem);
         let feeder = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(200)); // a producer that takes its time
+            while feeder_sem.waiters() == 0 {
+                std::thread::yield_now();
+            }
+            // The behaviour under test: a producer that stays quiet for a
+            // while (far longer than the two looks the old detection took).
+            std::thread::sleep(Duration::from_millis(200));
             feeder_sem.release(1);
         });
         stage.set("joining a fiber that waits for a plain thread");
@@ -169,5 +175,31 @@ fn report_only_prints_and_lets_the_join_wait() {
         assert_eq!(h.join().unwrap(), "released after the report");
         assert_eq!(exec.stats().deadlocks, 1, "reported once for the episode");
         watcher.join().unwrap();
+    });
+}
+
+#[test]
+fn ignore_turns_detection_off() {
+    watchdog("ignore_turns_detection_off", 30, |stage| {
+        let exec = Executor::builder()
+            .workers(1)
+            .deadlock_grace(Duration::from_millis(10))
+            .on_deadlock(spindle_executor::OnDeadlock::Ignore)
+            .build();
+        let sem = Arc::new(Semaphore::new(0));
+        let fiber_sem = Arc::clone(&sem);
+        let h = exec.spawn(move || fiber_sem.acquire());
+        let joiner = std::thread::spawn(move || h.join().is_ok());
+        stage.set("a thread joins a fiber that looks deadlocked, for well past the grace period");
+        while sem.waiters() == 0 {
+            std::thread::yield_now();
+        }
+        // The behaviour under test is that nothing happens with time: wait
+        // out many grace periods.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!joiner.is_finished(), "the join was not failed");
+        assert_eq!(exec.stats().deadlocks, 0);
+        sem.release(1);
+        assert!(joiner.join().unwrap(), "the join returns once the fiber can go on");
     });
 }

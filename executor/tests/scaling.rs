@@ -24,13 +24,17 @@ fn scales_up_under_hogs_and_back_down_after() {
 
         stage.set("two hogs take both workers");
         let hogging = Arc::new(AtomicUsize::new(0));
+        let stop = Flag::new();
         let hogs: Vec<_> = (0..2)
             .map(|_| {
-                let hogging = Arc::clone(&hogging);
+                let (hogging, stop) = (Arc::clone(&hogging), stop.clone());
                 exec.spawn(move || {
                     hogging.fetch_add(1, Ordering::SeqCst);
-                    // No suspension point at all for ~200 ms.
-                    spin_for(Duration::from_millis(200));
+                    // No suspension point at all until the work behind
+                    // them is done: only added workers can do it.
+                    while !stop.is_set() {
+                        std::hint::spin_loop();
+                    }
                 })
             })
             .collect();
@@ -39,6 +43,7 @@ fn scales_up_under_hogs_and_back_down_after() {
         stage.set("pending work behind the hogs");
         let work: Vec<_> = (0..50u64).map(|i| exec.spawn(move || i)).collect();
         assert_eq!(work.into_iter().map(|h| h.join().unwrap()).sum::<u64>(), (0..50).sum());
+        stop.set();
         for h in hogs {
             h.join().unwrap();
         }
@@ -64,7 +69,19 @@ fn no_scaling_beyond_max_workers() {
         let exec =
             Executor::builder().workers(1).max_workers(2).stuck_threshold(Duration::from_millis(2)).build();
         stage.set("three hogs on a pool of at most two workers");
-        let hogs: Vec<_> = (0..3).map(|_| exec.spawn(|| spin_for(Duration::from_millis(100)))).collect();
+        let stop = Flag::new();
+        let hogs: Vec<_> = (0..3)
+            .map(|_| {
+                let stop = stop.clone();
+                exec.spawn(move || {
+                    while !stop.is_set() {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        wait_for(&stage, "the pool to grow to its maximum", || exec.stats().peak_workers == 2);
+        stop.set();
         for h in hogs {
             h.join().unwrap();
         }

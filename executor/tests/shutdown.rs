@@ -225,6 +225,10 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
         assert!(h.join().expect_err("no value").is_cancelled());
         stage.set("releasing the semaphore after shutdown");
         sem.release(1);
+        // Handed to the fiber, which no thread will run again: it was
+        // dropped where it was woken (its stack, and the token with it,
+        // leaked on this thread rather than unwound off its own).
+        assert_eq!(sem.waiters(), 0, "the release took the fiber off the list");
     });
 }
 

@@ -169,7 +169,8 @@ impl fmt::Display for FiberError {
             FiberError::NoStack(id) => write!(
                 f,
                 "fiber {id} has no stack: it was dropped while suspended and only lives on \
-                 through a reference a destructor kept; create a new fiber instead"
+                 through a reference a destructor kept, or dropping its previous function's \
+                 closure panicked; create a new fiber instead"
             ),
             FiberError::Stack(e) => write!(f, "{e}"),
         }
@@ -188,5 +189,39 @@ impl std::error::Error for FiberError {
 impl From<StackError> for FiberError {
     fn from(e: StackError) -> FiberError {
         FiberError::Stack(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mapping_error_keeps_its_errno_and_enomem_names_the_limit() {
+        let eperm = StackError::from_map_error(4096, io::Error::from_raw_os_error(libc::EPERM));
+        assert_eq!(
+            eperm,
+            StackError::Map {
+                bytes: 4096,
+                errno: libc::EPERM
+            }
+        );
+        assert_eq!(eperm.os_error().and_then(|e| e.raw_os_error()), Some(libc::EPERM));
+
+        // A refusal without a system call reads as EINVAL, not "os error 0".
+        let refused =
+            StackError::from_map_error(4096, io::Error::new(io::ErrorKind::InvalidInput, "too big"));
+        assert_eq!(
+            refused,
+            StackError::Map {
+                bytes: 4096,
+                errno: libc::EINVAL
+            }
+        );
+
+        let oom = StackError::from_map_error(8192, io::Error::from_raw_os_error(libc::ENOMEM));
+        assert_eq!(oom, StackError::OutOfMemory { bytes: 8192 });
+        assert!(oom.os_error().is_none());
+        assert!(oom.to_string().contains("max_map_count"), "{oom}");
     }
 }

@@ -238,7 +238,7 @@ struct Inner<T> {
 /// [`set_function_migratable`](Fiber::set_function_migratable) may resume on
 /// any thread. See DESIGN.md, "Soundness".
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// // Captured values must be Send: an Rc could be reached from two threads.
 /// let rc = std::rc::Rc::new(1);
 /// let f = spindle_fiber::Fiber::new(Default::default()).unwrap();
@@ -250,7 +250,7 @@ struct Inner<T> {
 /// assert_send_sync::<spindle_fiber::Fiber<String>>();
 /// ```
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// fn assert_send<T: Send>() {}
 /// assert_send::<spindle_fiber::Fiber<std::rc::Rc<u8>>>();
 /// ```

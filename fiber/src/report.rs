@@ -5,15 +5,17 @@ use std::sync::Once;
 
 static LEAKED: AtomicU64 = AtomicU64::new(0);
 
-/// Counts a suspended stack that was leaked instead of unwound (a pinned
-/// fiber dropped on a thread other than its own).
+/// Counts a stack that was leaked instead of unwound or reused.
 pub(crate) fn note_leaked_stack() {
     LEAKED.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Stacks leaked because a suspended, pinned fiber was dropped on another
-/// thread than the one it ran on (its locals could not be safely dropped
-/// there). Zero in a program that drops fibers where they ran.
+/// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
+/// dropped on another thread than the one it ran on (its locals could not
+/// be safely dropped there), a forced unwind that did not finish (it
+/// panicked, or suspended into a function that is over), a replaced
+/// closure whose drop panicked, and the race of two threads dropping a
+/// suspended fiber's last two handles at once (DESIGN.md, "Known gaps").
 pub fn leaked_stacks() -> u64 {
     LEAKED.load(Ordering::Relaxed)
 }

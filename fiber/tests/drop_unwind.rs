@@ -13,12 +13,21 @@ use spindle_fiber::{
     StackPool, Waiter,
 };
 
+/// Serialises the tests that compare `leaked_stacks()` (a process-wide
+/// count) before and after with those that may leak a stack on purpose.
+static LEAK_COUNT: Mutex<()> = Mutex::new(());
+
+fn leak_count_lock() -> std::sync::MutexGuard<'static, ()> {
+    LEAK_COUNT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn counter() -> Arc<AtomicUsize> {
     Arc::new(AtomicUsize::new(0))
 }
 
 #[test]
 fn dropping_a_suspended_fiber_runs_its_locals_destructors() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "drop_suspended", || {
         let leaked_before = leaked_stacks();
         let drops = counter();
@@ -338,6 +347,7 @@ fn catches_the_unwind_and_suspends_again(log: Arc<Mutex<Vec<Option<FiberId>>>>) 
 
 #[test]
 fn a_fiber_that_suspends_during_its_forced_unwind_stays_current_until_it_is_gone() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "suspend_during_unwind", || {
         let log = Arc::new(Mutex::new(Vec::new()));
         let fiber = catches_the_unwind_and_suspends_again(log.clone());
@@ -355,6 +365,7 @@ fn a_fiber_that_suspends_during_its_forced_unwind_stays_current_until_it_is_gone
 
 #[test]
 fn the_outer_fiber_stays_current_after_dropping_an_inner_one_that_suspends_while_unwinding() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "suspend_during_unwind_nested", || {
         let log = Arc::new(Mutex::new(Vec::new()));
         let outer = Fiber::new(FiberAttr::new().name("outer")).unwrap();
@@ -380,6 +391,7 @@ fn the_outer_fiber_stays_current_after_dropping_an_inner_one_that_suspends_while
 
 #[test]
 fn suspensions_during_a_forced_unwind_never_reach_the_outer_fiber() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "suspend_twice_during_unwind", || {
         let outer = Fiber::<&'static str>::new(FiberAttr::new().name("outer")).unwrap();
         outer
@@ -509,6 +521,7 @@ impl Drop for YieldsOnDrop {
 
 #[test]
 fn a_value_returned_after_a_caught_forced_unwind_cannot_suspend_into_the_dead_function() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "value_after_caught_forced_unwind", || {
         let dropped = Arc::new(AtomicBool::new(false));
         let fiber = Fiber::<YieldsOnDrop>::new(FiberAttr::new()).unwrap();
@@ -538,6 +551,7 @@ fn a_value_returned_after_a_caught_forced_unwind_cannot_suspend_into_the_dead_fu
 
 #[test]
 fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "replace_panicking_closure", || {
         struct PanicsOnDrop;
         impl Drop for PanicsOnDrop {

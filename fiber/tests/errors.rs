@@ -155,6 +155,10 @@ fn a_queued_fiber_refuses_run_and_set_function_until_dequeued() {
         ));
         fiber.mark_dequeued().unwrap();
         assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(
+            matches!(fiber.mark_dequeued(), Err(FiberError::NotQueued(_))),
+            "not queued twice"
+        );
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
         assert!(matches!(fiber.mark_queued(None), Err(FiberError::Finished(_))));
     });
@@ -172,6 +176,8 @@ fn every_message_names_the_fiber_and_says_what_to_do() {
         (FiberError::Queued(id), "pop it from the queue"),
         (FiberError::Sleeping(id), "when woken"),
         (FiberError::WrongThread(id), "set_function_migratable"),
+        (FiberError::NotQueued(id), "only a scheduler that queued it"),
+        (FiberError::NoStack(id), "create a new fiber"),
     ];
     for (err, advice) in cases {
         let msg = err.to_string();

@@ -38,7 +38,7 @@
 //! assert_send_sync::<spindle_run_queue::RunQueue<String>>();
 //! ```
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! fn assert_send<T: Send>() {}
 //! assert_send::<spindle_run_queue::RunQueue<std::rc::Rc<u8>>>();
 //! ```

@@ -24,7 +24,8 @@
 //! A pop hands out only fibers the popping thread may run; one pinned to
 //! another thread is set aside for it (under the lock), and the popper then
 //! notifies every parked popper, so that its thread, if parked, wakes and
-//! takes it (step 1 looks at the set-aside fibers first).
+//! takes it (step 1 weighs the fibers set aside for its thread against the
+//! levels, by priority).
 //!
 //! `run_queue/tests/loom.rs` model-checks this file's code under loom: the
 //! `sync` module at the end swaps parking_lot for loom's mutex and condvar when
@@ -322,7 +323,8 @@ impl<T: Send + 'static> RunQueue<T> {
         self.shared.finish_pop(popped)
     }
 
-    /// Pops the highest-priority fiber, waiting up to `timeout` for one:
+    /// Pops the highest-priority fiber the calling thread may run, waiting
+    /// up to `timeout` for one:
     /// polls briefly, then parks the thread. `None` on timeout.
     pub fn pop_timeout(&self, timeout: Duration) -> Option<Fiber<T>> {
         for i in 0..SPINS {

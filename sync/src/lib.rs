@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use spindle_fiber::{Fiber, FiberAttr, Priority};
+//! use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
 //! use spindle_run_queue::RunQueue;
 //! use spindle_sync::{Channel, Msg, Semaphore};
 //!
@@ -28,8 +28,14 @@
 //! for i in 1..=3 {
 //!     chan.push(Msg::new(i));
 //! }
-//! while let Some(_ran) = queue.run_next() {}
+//! let mut sum = None;
+//! while let Some(ran) = queue.run_next() {
+//!     if let Ok(RunOutcome::Returned(s)) = ran.outcome {
+//!         sum = Some(s);
+//!     }
+//! }
 //! done.acquire(); // an ordinary thread waits too
+//! assert_eq!(sum, Some(6));
 //! ```
 //!
 //! See DESIGN.md ("sleep/wake protocol") for the numbered steps of both
@@ -52,12 +58,12 @@
 //! A channel of `!Send` values cannot be shared, since its messages would
 //! move between threads:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! fn assert_sync<T: Sync>() {}
 //! assert_sync::<spindle_sync::Channel<std::rc::Rc<u8>>>();
 //! ```
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! fn assert_send<T: Send>() {}
 //! assert_send::<spindle_sync::Msg<std::rc::Rc<u8>>>();
 //! ```

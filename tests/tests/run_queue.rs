@@ -582,3 +582,27 @@ fn a_fiber_set_aside_keeps_its_place_by_priority() {
         assert_eq!(order, ["higher", "pinned", "lower"]);
     });
 }
+
+/// A fiber set aside for its thread still takes its place in the queue:
+/// it counts in `len()` and against the capacity.
+#[test]
+fn a_fiber_set_aside_counts_against_the_capacity() {
+    watchdog("a_fiber_set_aside_counts_against_the_capacity", 30, |_stage| {
+        let queue = RunQueue::<()>::new(1);
+        queue
+            .try_push(fiber(Priority::NORMAL, || {
+                spindle_fiber::yield_now();
+            }))
+            .unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
+        let other = queue.clone();
+        assert!(std::thread::spawn(move || other.try_pop().is_none()).join().unwrap());
+        assert_eq!((queue.len(), queue.stats().wrong_thread), (1, 1));
+        match queue.try_push(fiber(Priority::NORMAL, || {})) {
+            Err(PushError::Full(_)) => {}
+            other => panic!("a full queue (one fiber set aside) accepted a push: {:?}", other.is_ok()),
+        }
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+        assert!(queue.is_empty());
+    });
+}
