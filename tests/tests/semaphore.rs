@@ -374,7 +374,12 @@ fn blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node() {
         return;
     }
     watchdog(name, 60, move |_| {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+        // Through the shell, to turn core dumps off for the child that is
+        // meant to abort.
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new("sh")
+            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+            .arg(exe)
             .args([name, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
             .env("RUST_BACKTRACE", "0")
