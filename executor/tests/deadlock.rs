@@ -203,3 +203,37 @@ fn ignore_turns_detection_off() {
         assert!(joiner.join().unwrap(), "the join returns once the fiber can go on");
     });
 }
+
+#[test]
+fn abort_prints_the_report_then_aborts() {
+    const CHILD: &str = "SPINDLE_TEST_DEADLOCK_ABORT";
+    let name = "abort_prints_the_report_then_aborts";
+    if std::env::var(CHILD).is_ok() {
+        let exec = Executor::builder()
+            .workers(1)
+            .deadlock_grace(Duration::from_millis(10))
+            .on_deadlock(spindle_executor::OnDeadlock::Abort)
+            .build();
+        let never = Arc::new(Semaphore::new(0));
+        let h = exec.spawn_with(SpawnOptions::new().name("stuck"), move || never.acquire());
+        let _ = h.join();
+        eprintln!("the join returned");
+        return;
+    }
+    watchdog(name, 60, move |_| {
+        // Through the shell, to turn core dumps off for the aborting child.
+        let out = std::process::Command::new("sh")
+            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+            .arg(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("running the child test process");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(6), "the child should abort (SIGABRT):\n{stderr}");
+        assert!(stderr.contains("deadlock detected") && stderr.contains("'stuck'"), "{stderr}");
+        assert!(!stderr.contains("the join returned"), "{stderr}");
+    });
+}
