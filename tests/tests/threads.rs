@@ -430,6 +430,10 @@ struct Stress {
     in_flight: usize,
     pairs: usize,
     rounds: u64,
+    /// Fibers set with the safe `set_function`: each stays on the worker
+    /// that first runs it, so pops by other workers set it aside for that
+    /// worker.
+    pinned: bool,
 }
 
 impl Stress {
@@ -448,7 +452,14 @@ impl Stress {
             in_flight: 16,
             pairs: 4,
             rounds: if debug { 20_000 } else { 100_000 },
+            pinned: false,
         }
+    }
+
+    /// The same with pinned fibers, a quarter of the size.
+    fn pinned(workers: usize) -> Stress {
+        let s = Stress::new(workers);
+        Stress { messages: s.messages / 4, rounds: s.rounds / 4, pinned: true, ..s }
     }
 
     fn fibers(&self) -> usize {
@@ -514,12 +525,22 @@ fn stress(name: &'static str, cfg: Stress) {
             let per_producer = (cfg.messages / cfg.producers) as u64;
             let per_consumer = cfg.messages / cfg.consumers;
 
+            let pinned = cfg.pinned;
+            let migratable = move |f: Box<dyn FnOnce() + Send>| {
+                if pinned {
+                    let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024)).expect("creating a fiber");
+                    fiber.set_function(Priority::NORMAL, f).expect("setting the fiber's function");
+                    fiber
+                } else {
+                    migratable(f)
+                }
+            };
             let mut fibers = Vec::new();
             // Producers: take a free message (sleeping while none is free), fill
             // it, send it; yield now and then.
             for p in 0..cfg.producers {
                 let (data, free) = (data.clone(), free.clone());
-                fibers.push(migratable(move || {
+                fibers.push(migratable(Box::new(move || {
                     for seq in 0..per_producer {
                         let mut m = free.pop();
                         *m = (p, seq);
@@ -528,14 +549,14 @@ fn stress(name: &'static str, cfg: Stress) {
                             yield_now();
                         }
                     }
-                }));
+                })));
             }
             // Consumers: take a fixed share, check each message, give the
             // handle back to the free list.
             for _ in 0..cfg.consumers {
                 let (data, free, seen, tally) = (data.clone(), free.clone(), seen.clone(), tally.clone());
                 let producers = cfg.producers;
-                fibers.push(migratable(move || {
+                fibers.push(migratable(Box::new(move || {
                     let mut last: Vec<Option<u64>> = vec![None; producers];
                     for _ in 0..per_consumer {
                         let m = data.pop();
@@ -558,7 +579,7 @@ fn stress(name: &'static str, cfg: Stress) {
                         tally.sum.fetch_add(idx, Ordering::Relaxed);
                         tally.received.fetch_add(1, Ordering::Relaxed);
                     }
-                }));
+                })));
             }
             // Ping-pong pairs: strict alternation checked through `turn`.
             let mut sems = Vec::new();
@@ -568,7 +589,7 @@ fn stress(name: &'static str, cfg: Stress) {
                 let turn = Arc::new(AtomicU64::new(0));
                 let rounds = cfg.rounds;
                 let (pi, po, tu, ta) = (ping.clone(), pong.clone(), turn.clone(), tally.clone());
-                fibers.push(migratable(move || {
+                fibers.push(migratable(Box::new(move || {
                     for r in 0..rounds {
                         if tu.load(Ordering::Relaxed) != 2 * r {
                             ta.bad_turns.fetch_add(1, Ordering::Relaxed);
@@ -578,9 +599,9 @@ fn stress(name: &'static str, cfg: Stress) {
                         pi.release(1);
                         po.acquire();
                     }
-                }));
+                })));
                 let (pi, po, tu, ta) = (ping.clone(), pong.clone(), turn.clone(), tally.clone());
-                fibers.push(migratable(move || {
+                fibers.push(migratable(Box::new(move || {
                     for r in 0..rounds {
                         pi.acquire();
                         if tu.load(Ordering::Relaxed) != 2 * r + 1 {
@@ -590,7 +611,7 @@ fn stress(name: &'static str, cfg: Stress) {
                         ta.half_rounds.fetch_add(1, Ordering::Relaxed);
                         po.release(1);
                     }
-                }));
+                })));
                 sems.push((ping, pong, turn));
             }
             assert_eq!(fibers.len(), cfg.fibers());
@@ -632,6 +653,9 @@ fn stress(name: &'static str, cfg: Stress) {
             assert!(stats.wakes > 0, "{stats:?}");
             assert_eq!(stats.full_pushes, 0);
             let migrations: u64 = fibers.iter().map(|f| f.stats().migrations).sum();
+            if cfg.pinned {
+                assert_eq!(migrations, 0, "pinned fibers never moved");
+            }
             eprintln!("{name}: {stats:?}, {migrations} fiber migrations between workers");
         },
     );
@@ -645,4 +669,9 @@ fn stress_two_workers() {
 #[test]
 fn stress_four_workers() {
     stress("stress_four_workers", Stress::new(4));
+}
+
+#[test]
+fn stress_four_workers_pinned_fibers() {
+    stress("stress_four_workers_pinned_fibers", Stress::pinned(4));
 }
