@@ -165,6 +165,12 @@ pub fn in_fiber() -> bool {
 /// unwind. Code that must wait in a destructor (a scope waiting for the
 /// fibers it spawned) blocks the thread instead when this is false.
 ///
+/// It is true while a panic unwinds the fiber too. Suspending then leaves
+/// the thread's panic count raised (`std::thread::panicking()` true for
+/// whatever runs on the thread) until the fiber resumes and the unwind
+/// ends, and a migratable fiber must not do it at all (see
+/// [`Fiber::set_function_migratable`](crate::Fiber::set_function_migratable)).
+///
 /// ```
 /// use spindle_fiber::{may_sleep, Fiber, FiberAttr, Priority};
 ///

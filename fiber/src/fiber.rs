@@ -321,6 +321,14 @@ impl<T: Send + 'static> Fiber<T> {
     /// [`FiberError::Running`] or [`FiberError::Queued`] while it runs or
     /// waits in a queue, and [`FiberError::NoStack`] for a fiber that lost
     /// its stack when it was dropped mid-function.
+    ///
+    /// # Panics
+    ///
+    /// If the function it replaces never started and a destructor of that
+    /// closure's captures panics: the panic is passed on, the old stack is
+    /// leaked (counted by [`leaked_stacks`](crate::leaked_stacks)), and the
+    /// fiber is left finished without a stack (later calls return
+    /// [`FiberError::NoStack`]).
     pub fn set_function<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
     where
         F: FnOnce() -> T + Send + 'static,
@@ -371,10 +379,11 @@ impl<T: Send + 'static> Fiber<T> {
             // A function that never started: drop it (on any thread: F: Send).
             if let Some(mut c) = slot.coro.take() {
                 if let Err(payload) = catch_unwind(AssertUnwindSafe(|| c.force_unwind())) {
-                    // The closure's destructor panicked, part way: the
-                    // coroutine still owns the rest of the closure and
-                    // would drop all of it again. Leak it (and its stack)
-                    // and pass the panic on; the fiber has no stack now.
+                    // A capture's destructor panicked. The unwind dropped
+                    // the other captures, but the coroutine still counts
+                    // the closure as its own and would drop it all again.
+                    // Leak it (and its stack) and pass the panic on; the
+                    // fiber has no stack now.
                     let _ = ManuallyDrop::new(c);
                     crate::report::note_leaked_stack();
                     h.state.store(FiberState::Finished);
@@ -794,7 +803,9 @@ impl<T> Fiber<T> {
     pub fn may_run_here(&self) -> bool {
         match self.header().pinned_to.load(Ordering::Relaxed) {
             0 => true,
-            t => t == thread_id(),
+            // The id word as it is: a thread without an id yet (0) is not
+            // the one a function is pinned to, and reading it assigns none.
+            t => t == crate::tls::thread_id_word(),
         }
     }
 
@@ -933,6 +944,7 @@ fn release<T>(mut arc: Arc<Inner<T>>) {
             let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
             // SAFETY: the same thread as `enter`.
             unsafe { exit(prev) };
+            arc.header.unwinding_for_drop.store(false, Ordering::Relaxed);
             if unwound.is_ok() && coro.done() {
                 let stack = coro.into_stack();
                 match Arc::get_mut(&mut arc) {
@@ -965,7 +977,9 @@ impl<T> Drop for Inner<T> {
                 if catch_unwind(AssertUnwindSafe(|| coro.force_unwind())).is_ok() {
                     slot.stack = Some(coro.into_stack());
                 } else {
+                    // A capture's destructor panicked: as in `install`.
                     let _ = ManuallyDrop::new(coro);
+                    crate::report::note_leaked_stack();
                 }
             } else {
                 // Suspended, and `release` could not unwind it here: a

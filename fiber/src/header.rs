@@ -165,8 +165,8 @@ pub(crate) struct Header {
     /// `set_function`.
     pub(crate) sleep_request: AtomicBool,
     /// Set by `release` while it unwinds the stack of the dropped fiber
-    /// (read by `may_sleep` on the fiber's stack, same thread); cleared by
-    /// `set_function`.
+    /// (read by `may_sleep` on the fiber's stack, same thread), cleared
+    /// when that unwind is over and by `set_function`.
     pub(crate) unwinding_for_drop: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,

@@ -590,3 +590,32 @@ fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
         ));
     });
 }
+
+#[test]
+fn dropping_a_fiber_whose_unstarted_closure_panics_on_drop_leaks_and_counts_it() {
+    let _serial = leak_count_lock();
+    with_watchdog(30, "drop_panicking_unstarted_closure", || {
+        struct PanicsOnDrop;
+        impl Drop for PanicsOnDrop {
+            fn drop(&mut self) {
+                panic!("closure capture dropped");
+            }
+        }
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let (first, second) = (DropCounter(drops.clone()), PanicsOnDrop);
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _keep = (&first, &second);
+            })
+            .unwrap();
+        let leaked_before = leaked_stacks();
+        drop(fiber); // the panic is contained by the drop
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            1,
+            "the other capture was dropped once"
+        );
+        assert_eq!(leaked_stacks(), leaked_before + 1, "the leaked stack is counted");
+    });
+}
