@@ -398,12 +398,6 @@ impl<T: Send + 'static> Fiber<T> {
             h.state.store(from);
             return Err(FiberError::NoStack(h.id));
         };
-        // Under AddressSanitizer (`--cfg spindle_asan`), frames of an
-        // earlier function on this stack that never returned (unwound by
-        // force, or a stack back from the pool) leave their redzones
-        // poisoned: clear them for the new function.
-        #[cfg(spindle_asan)]
-        stack.unpoison_for_asan();
         let coro = Coroutine::with_stack(stack, move |y: &Yielder, ()| {
             // The runner made this fiber current before resuming it; this
             // runs before the first suspension (see current.rs).

@@ -83,19 +83,6 @@ impl FiberStack {
         let low = self.map.as_ptr() as usize + page_size();
         (low, low + self.usable)
     }
-
-    /// Marks the usable range addressable again for AddressSanitizer (built
-    /// with `--cfg spindle_asan` and `-Zsanitizer=address`).
-    #[cfg(spindle_asan)]
-    pub(crate) fn unpoison_for_asan(&self) {
-        extern "C" {
-            fn __asan_unpoison_memory_region(addr: *const u8, size: usize);
-        }
-        let (lo, hi) = self.usable_range();
-        // SAFETY: the range is this stack's own mapping; unpoisoning only
-        // changes AddressSanitizer's shadow memory.
-        unsafe { __asan_unpoison_memory_region(lo as *const u8, hi - lo) }
-    }
 }
 
 /// Validates and rounds a requested usable size.
