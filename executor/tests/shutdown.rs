@@ -16,19 +16,23 @@ fn drop_unwinds_fibers_asleep_in_sleep() {
     watchdog("drop_unwinds_fibers_asleep_in_sleep", 30, |stage| {
         let exec = Executor::builder().workers(2).build();
         let flags: Vec<Flag> = (0..10).map(|_| Flag::new()).collect();
-        let asleep = Flag::new();
+        let asleep = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let handles: Vec<_> = flags
             .iter()
             .map(|f| {
                 let (guard, asleep) = (f.on_drop(), asleep.clone());
                 exec.spawn(move || {
                     let _g = guard;
-                    asleep.set();
+                    asleep.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     sleep(Duration::from_secs(60));
                 })
             })
             .collect();
-        wait_for(&stage, "the sleepers to start", || asleep.is_set());
+        // All ten started: each flag is then set by an unwind, not by a
+        // job dropped before it ran.
+        wait_for(&stage, "all ten sleepers to start", || {
+            asleep.load(std::sync::atomic::Ordering::SeqCst) == 10
+        });
         stage.set("dropping the executor");
         drop(exec);
         assert!(flags.iter().all(Flag::is_set), "every sleeper was unwound");
