@@ -199,15 +199,41 @@ struct Slot<T> {
     pool: &'static StackPool,
 }
 
+/// The one allocation behind every handle. Counted by hand rather than
+/// through `Arc`: when the last reference goes, `release` must unwind a
+/// suspended fiber while it still holds a reference (destructors on its
+/// stack may take new ones), and only a decrement that returns the old
+/// count tells exactly one dropper that it was the last.
 #[repr(C)]
 struct Inner<T> {
+    /// First, so that a `NonNull<Header>` is also the `Inner`'s address.
     header: Header,
+    /// Handles (`Fiber`s, `Waiter`s, queue entries). No weak references
+    /// are ever made: a count of one held by a `&mut Fiber` is exclusive.
+    refs: AtomicUsize,
     slot: UnsafeCell<Slot<T>>,
+}
+
+impl<T> Inner<T> {
+    /// Takes one more reference.
+    ///
+    /// # Safety
+    /// `ptr` is a live `Inner` the caller holds a reference to.
+    #[inline]
+    unsafe fn retain(ptr: NonNull<Inner<T>>) {
+        // SAFETY: the caller's reference keeps it alive.
+        let old = unsafe { ptr.as_ref() }.refs.fetch_add(1, Ordering::Relaxed);
+        // As `Arc` does: a count this large means leaked handles by the
+        // billion; wrapping would free a live fiber.
+        if old > isize::MAX as usize {
+            std::process::abort();
+        }
+    }
 }
 
 /// A stackful fiber that returns `T`.
 ///
-/// `Fiber` is a cheap, clonable handle (an `Arc`); its state machine makes
+/// `Fiber` is a cheap, clonable, reference-counted handle; its state machine makes
 /// sure only one party runs, queues or rewrites it at a time. The fiber and
 /// its stack are released when the last handle (including those held by run
 /// queues and wait lists) is dropped; a fiber suspended mid-function is then
@@ -297,8 +323,9 @@ impl<T: Send + 'static> Fiber<T> {
             sleep_request: AtomicBool::new(false),
             unwinding_for_drop: AtomicBool::new(false),
         };
-        let inner = Arc::new(Inner {
+        let inner = Box::new(Inner {
             header,
+            refs: AtomicUsize::new(1),
             slot: UnsafeCell::new(Slot {
                 coro: None,
                 stack: Some(stack),
@@ -308,7 +335,10 @@ impl<T: Send + 'static> Fiber<T> {
                 pool: attr.pool,
             }),
         });
-        Ok(Fiber::from_arc(inner))
+        Ok(Fiber {
+            inner: NonNull::from(Box::leak(inner)),
+            _owns: PhantomData,
+        })
     }
 
     /// Gives the fiber a function to run and the priority it is scheduled
@@ -491,10 +521,9 @@ impl<T: Send + 'static> Fiber<T> {
     /// no other thread can make a new one meanwhile.
     #[inline]
     fn is_unique(&mut self) -> bool {
-        // SAFETY: we own one strong reference; ManuallyDrop keeps it ours.
-        let arc = ManuallyDrop::new(unsafe { Arc::from_raw(self.inner.as_ptr() as *const Inner<T>) });
-        // No `Weak` is ever made, so one strong count means exclusive.
-        if Arc::strong_count(&arc) != 1 {
+        // SAFETY: we own a reference.
+        // No weak reference is ever made, so a count of one means exclusive.
+        if unsafe { self.inner.as_ref() }.refs.load(Ordering::Relaxed) != 1 {
             return false;
         }
         // Pairs with the Release decrement of whoever dropped the last other
@@ -717,13 +746,14 @@ impl<T: Send + 'static> Fiber<T> {
     }
 
     unsafe fn erased_retain(h: NonNull<Header>) {
-        // SAFETY: h is the header of a live Arc<Inner<T>> (repr(C) first field).
-        unsafe { Arc::increment_strong_count(h.as_ptr() as *const Inner<T>) }
+        // SAFETY: h is the header of a live Inner<T> (repr(C) first field)
+        // the caller holds a reference to.
+        unsafe { Inner::<T>::retain(h.cast()) }
     }
 
     unsafe fn erased_release(h: NonNull<Header>) {
-        // SAFETY: the caller owns one strong reference.
-        release(unsafe { Arc::from_raw(h.as_ptr() as *const Inner<T>) })
+        // SAFETY: the caller owns one reference.
+        unsafe { release::<T>(h.cast()) }
     }
 
     unsafe fn erased_finish_wake(h: NonNull<Header>) {
@@ -737,14 +767,6 @@ impl<T: Send + 'static> Fiber<T> {
 }
 
 impl<T> Fiber<T> {
-    fn from_arc(arc: Arc<Inner<T>>) -> Fiber<T> {
-        // SAFETY: Arc::into_raw is never null.
-        Fiber {
-            inner: unsafe { NonNull::new_unchecked(Arc::into_raw(arc) as *mut Inner<T>) },
-            _owns: PhantomData,
-        }
-    }
-
     fn header(&self) -> &Header {
         // SAFETY: we own a strong reference.
         unsafe { &self.inner.as_ref().header }
@@ -761,7 +783,7 @@ impl<T> Fiber<T> {
     /// The slot, for field-by-field access where two parts of the code
     /// hold references to different fields.
     fn slot_ptr(&self) -> *mut Slot<T> {
-        // SAFETY: the Arc keeps `inner` alive.
+        // SAFETY: our reference keeps `inner` alive.
         unsafe { self.inner.as_ref() }.slot.get()
     }
 
@@ -887,8 +909,8 @@ impl<T> Fiber<T> {
 
 impl<T> Clone for Fiber<T> {
     fn clone(&self) -> Fiber<T> {
-        // SAFETY: we own a strong reference, so the count is at least one.
-        unsafe { Arc::increment_strong_count(self.inner.as_ptr() as *const Inner<T>) };
+        // SAFETY: we own a reference.
+        unsafe { Inner::retain(self.inner) };
         Fiber {
             inner: self.inner,
             _owns: PhantomData,
@@ -898,8 +920,8 @@ impl<T> Clone for Fiber<T> {
 
 impl<T> Drop for Fiber<T> {
     fn drop(&mut self) {
-        // SAFETY: we own one strong reference.
-        release(unsafe { Arc::from_raw(self.inner.as_ptr() as *const Inner<T>) })
+        // SAFETY: we own one reference.
+        unsafe { release(self.inner) }
     }
 }
 
@@ -907,57 +929,86 @@ impl<T> Drop for Fiber<T> {
 /// not the 0 that a thread without an id reads either.
 const NO_PIN: u64 = u64::MAX;
 
-/// Drops one strong reference. If it is the last one and the fiber is
-/// suspended mid-function, the stack is unwound first, while the reference
-/// is still held: destructors on that stack may call `current()` or
-/// `Waiter::current()` (which takes a new reference) safely.
-fn release<T>(mut arc: Arc<Inner<T>>) {
-    // No `Weak` is ever made, so a strong count of one means exclusive
-    // access (checked without `get_mut`'s extra compare-and-swap).
-    if Arc::strong_count(&arc) == 1 {
-        // See `is_unique`.
-        std::sync::atomic::fence(Ordering::Acquire);
-        // SAFETY: we hold the only reference: nobody else can reach the slot.
-        let slot = unsafe { &mut *arc.slot.get() };
-        let pool = slot.pool;
-        let unwind_here = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
+/// Drops one reference. If it was the last one and the fiber is suspended
+/// mid-function, the count is brought back to one while the stack is
+/// unwound: destructors on that stack may call `current()` or
+/// `Waiter::current()` (which takes a new reference) safely. Exactly one
+/// dropper sees the count reach zero, however many drop at once.
+///
+/// # Safety
+/// The caller owns one reference to the live `Inner` at `ptr`, and gives
+/// it up.
+unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
+    // SAFETY: our reference keeps it alive until the decrement.
+    if unsafe { ptr.as_ref() }.refs.fetch_sub(1, Ordering::Release) != 1 {
+        return;
+    }
+    // Pairs with the Release decrements of every other dropper: what they
+    // did to the fiber happens before what we do now.
+    std::sync::atomic::fence(Ordering::Acquire);
+    // SAFETY: the count was one: nobody else holds or can make a reference
+    // (there are no weak ones), so the slot is ours.
+    let inner = unsafe { ptr.as_ref() };
+    let (unwind_here, pool) = {
+        // SAFETY: as above; this borrow of the slot ends here.
+        let slot = unsafe { &mut *inner.slot.get() };
+        let unwind = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
             && (slot.migratable || slot.pin == thread_id());
-        if unwind_here {
-            let mut coro = slot.coro.take().expect("checked above");
+        (unwind, slot.pool)
+    };
+    if unwind_here {
+        // Ours again for the unwind.
+        inner.refs.store(1, Ordering::Relaxed);
+        let mut coro = {
+            // SAFETY: as above.
+            let slot = unsafe { &mut *inner.slot.get() };
             // The function is over, whatever the unwind does: the fiber is
             // bound to no thread any more (`may_run_here`).
             slot.pin = NO_PIN;
-            arc.header.pinned_to.store(0, Ordering::Relaxed);
-            // Unwind with this fiber current, so that code in
-            // destructors sees where it runs. Code that catches the forced
-            // unwind may suspend again (corosensei then restarts the
-            // unwind): the fiber side never writes the current fiber, so it stays
-            // right until the unwind is over.
-            arc.header.unwinding_for_drop.store(true, Ordering::Relaxed);
-            let prev = enter(&arc.header);
-            let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
-            // SAFETY: the same thread as `enter`.
-            unsafe { exit(prev) };
-            arc.header.unwinding_for_drop.store(false, Ordering::Relaxed);
-            if unwound.is_ok() && coro.done() {
-                let stack = coro.into_stack();
-                match Arc::get_mut(&mut arc) {
-                    Some(inner) => inner.slot.get_mut().stack = Some(stack),
-                    // A destructor kept a reference: the fiber lives on
-                    // without a function (`run` finds it finished); its
-                    // stack goes back to the pool.
-                    None => {
-                        arc.header.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
-                        pool.give(stack)
-                    }
-                }
-            } else {
-                let _ = ManuallyDrop::new(coro);
-                crate::report::note_leaked_stack();
+            slot.coro.take().expect("checked above")
+        };
+        inner.header.pinned_to.store(0, Ordering::Relaxed);
+        // Unwind with this fiber current, so that code in destructors sees
+        // where it runs. Code that catches the forced unwind may suspend
+        // again (corosensei then restarts the unwind): the fiber side never
+        // writes the current fiber, so it stays right until the unwind is
+        // over.
+        inner.header.unwinding_for_drop.store(true, Ordering::Relaxed);
+        let prev = enter(&inner.header);
+        let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
+        // SAFETY: the same thread as `enter`.
+        unsafe { exit(prev) };
+        inner.header.unwinding_for_drop.store(false, Ordering::Relaxed);
+        let stack = if unwound.is_ok() && coro.done() {
+            Some(coro.into_stack())
+        } else {
+            let _ = ManuallyDrop::new(coro);
+            crate::report::note_leaked_stack();
+            None
+        };
+        // Give up the reference taken back above.
+        if inner.refs.fetch_sub(1, Ordering::Release) != 1 {
+            // A destructor kept a reference: the fiber lives on without a
+            // function (`run` finds it finished); its stack goes back to
+            // the pool. Whoever drops that reference last frees it.
+            inner
+                .header
+                .yielder
+                .store(std::ptr::null_mut(), Ordering::Relaxed);
+            if let Some(stack) = stack {
+                pool.give(stack);
             }
+            return;
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        if let Some(stack) = stack {
+            // SAFETY: the count reached zero again: the slot is ours.
+            unsafe { (*inner.slot.get()).stack = Some(stack) };
         }
     }
-    drop(arc);
+    // SAFETY: the last reference is gone; the allocation came from
+    // `Box::new` in `Fiber::new`.
+    drop(unsafe { Box::from_raw(ptr.as_ptr()) });
 }
 
 impl<T> Drop for Inner<T> {

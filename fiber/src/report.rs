@@ -13,9 +13,8 @@ pub(crate) fn note_leaked_stack() {
 /// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
 /// dropped on another thread than the one it ran on (its locals could not
 /// be safely dropped there), a forced unwind that did not finish (it
-/// panicked, or suspended into a function that is over), a replaced
-/// closure whose drop panicked, and the race of two threads dropping a
-/// suspended fiber's last two handles at once (DESIGN.md, "Known gaps").
+/// panicked, or suspended into a function that is over), and a closure
+/// that never ran whose drop panicked.
 pub fn leaked_stacks() -> u64 {
     LEAKED.load(Ordering::Relaxed)
 }

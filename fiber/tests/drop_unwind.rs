@@ -619,3 +619,57 @@ fn dropping_a_fiber_whose_unstarted_closure_panics_on_drop_leaks_and_counts_it()
         assert_eq!(leaked_stacks(), leaked_before + 1, "the leaked stack is counted");
     });
 }
+
+#[test]
+fn two_threads_dropping_the_last_two_handles_at_once_unwind_the_fiber_once() {
+    let _serial = leak_count_lock();
+    with_watchdog(60, "last_two_handles_at_once", || {
+        let leaked_before = leaked_stacks();
+        let rounds = if cfg!(debug_assertions) { 2_000 } else { 10_000 };
+        let drops = counter();
+        // A spinning rendezvous per round (a futex wake would part them).
+        let arrived = Arc::new(AtomicUsize::new(0));
+        let meet = |arrived: &AtomicUsize, round: usize| {
+            arrived.fetch_add(1, Ordering::SeqCst);
+            while arrived.load(Ordering::SeqCst) < 2 * (round + 1) {
+                std::hint::spin_loop();
+            }
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Fiber<()>>();
+        let other = {
+            let arrived = arrived.clone();
+            std::thread::spawn(move || {
+                for (round, fiber) in rx.into_iter().enumerate() {
+                    meet(&arrived, round);
+                    drop(fiber);
+                }
+            })
+        };
+        for round in 0..rounds {
+            let fiber = Fiber::<()>::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+            let d = drops.clone();
+            // SAFETY: the function holds only a counter across its
+            // suspension (Send, no thread-local reference).
+            unsafe {
+                fiber.set_function_migratable(Priority::NORMAL, move || {
+                    let _local = DropCounter(d);
+                    yield_now();
+                })
+            }
+            .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+            tx.send(fiber.clone()).unwrap();
+            meet(&arrived, round);
+            drop(fiber); // races the other thread's drop of its handle
+        }
+        drop(tx);
+        other.join().unwrap();
+        // Whichever thread dropped last unwound the stack: once per round.
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            rounds,
+            "every suspended fiber was unwound"
+        );
+        assert_eq!(leaked_stacks(), leaked_before, "no stack was leaked");
+    });
+}
