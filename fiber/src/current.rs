@@ -241,7 +241,7 @@ pub fn yield_now() {
     yield_value(0)
 }
 
-/// A strong, type-erased reference to a fiber that is about to sleep or is
+/// A counted, type-erased reference to a fiber that is about to sleep or is
 /// asleep, held by the wait list of a synchronisation primitive.
 ///
 /// This is the seam between fibers and synchronisation primitives:
@@ -283,13 +283,13 @@ impl Waiter {
     pub fn current() -> Option<Waiter> {
         let h = NonNull::new(current_header() as *mut Header)?;
         // SAFETY: the header is alive (it is running); retain adds the
-        // strong reference this Waiter owns.
+        // reference this Waiter owns.
         unsafe { (h.as_ref().vtable.retain)(h) };
         Some(Waiter { header: h })
     }
 
     fn header(&self) -> &Header {
-        // SAFETY: we own a strong reference.
+        // SAFETY: we own a reference.
         unsafe { self.header.as_ref() }
     }
 
@@ -320,7 +320,7 @@ impl Waiter {
     pub fn wake(self) {
         let h = self.header;
         std::mem::forget(self);
-        // SAFETY: we own one strong reference, which is handed on.
+        // SAFETY: we own one reference, which is handed on.
         unsafe {
             match h.as_ref().state.transition_to_woken() {
                 crate::state::WakeTransition::Owned => (h.as_ref().vtable.finish_wake)(h),
@@ -334,7 +334,7 @@ impl Waiter {
 
 impl Drop for Waiter {
     fn drop(&mut self) {
-        // SAFETY: we own one strong reference.
+        // SAFETY: we own one reference.
         unsafe { (self.header.as_ref().vtable.release)(self.header) }
     }
 }

@@ -282,6 +282,7 @@ impl<T> Inner<T> {
 /// ```
 pub struct Fiber<T = ()> {
     inner: NonNull<Inner<T>>,
+    /// A counted share of the `Inner` (Send and Sync are stated below).
     _owns: PhantomData<Arc<Inner<T>>>,
 }
 
@@ -757,7 +758,7 @@ impl<T: Send + 'static> Fiber<T> {
     }
 
     unsafe fn erased_finish_wake(h: NonNull<Header>) {
-        // SAFETY: the caller owns one strong reference and holds `Locked`.
+        // SAFETY: the caller owns one reference and holds `Locked`.
         let fiber = Fiber::<T> {
             inner: h.cast(),
             _owns: PhantomData,
@@ -768,7 +769,7 @@ impl<T: Send + 'static> Fiber<T> {
 
 impl<T> Fiber<T> {
     fn header(&self) -> &Header {
-        // SAFETY: we own a strong reference.
+        // SAFETY: we own a reference.
         unsafe { &self.inner.as_ref().header }
     }
 
@@ -986,15 +987,19 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             crate::report::note_leaked_stack();
             None
         };
+        // The function is over either way. Written while we still hold a
+        // reference (and before the Release below): if a destructor kept
+        // one, another thread may free the fiber as soon as we let go.
+        inner
+            .header
+            .yielder
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
         // Give up the reference taken back above.
         if inner.refs.fetch_sub(1, Ordering::Release) != 1 {
             // A destructor kept a reference: the fiber lives on without a
-            // function (`run` finds it finished); its stack goes back to
-            // the pool. Whoever drops that reference last frees it.
-            inner
-                .header
-                .yielder
-                .store(std::ptr::null_mut(), Ordering::Relaxed);
+            // function (`run` finds it finished), and whoever drops that
+            // reference last frees it. From here on only locals: the stack
+            // goes back to the (static) pool.
             if let Some(stack) = stack {
                 pool.give(stack);
             }

@@ -135,12 +135,12 @@ pub struct FiberStats {
 
 /// Functions of the typed fiber that erased code calls.
 pub(crate) struct VTable {
-    /// Adds a strong reference.
+    /// Adds a reference.
     pub(crate) retain: unsafe fn(NonNull<Header>),
-    /// Drops a strong reference.
+    /// Drops a reference.
     pub(crate) release: unsafe fn(NonNull<Header>),
     /// Finishes a wake the caller owns (state `Locked`), consuming one
-    /// strong reference: stores `Queued` and schedules the fiber on its
+    /// reference: stores `Queued` and schedules the fiber on its
     /// home, or stores `Ready` if it has none.
     pub(crate) finish_wake: unsafe fn(NonNull<Header>),
 }

@@ -673,3 +673,36 @@ fn two_threads_dropping_the_last_two_handles_at_once_unwind_the_fiber_once() {
         assert_eq!(leaked_stacks(), leaked_before, "no stack was leaked");
     });
 }
+
+#[test]
+fn a_waiter_kept_by_a_destructor_and_dropped_on_another_thread_frees_the_fiber_safely() {
+    with_watchdog(60, "kept_waiter_other_thread", || {
+        let rounds = if cfg!(debug_assertions) { 500 } else { 5_000 };
+        let (tx, rx) = std::sync::mpsc::channel::<Waiter>();
+        // Drops each waiter as soon as it arrives, racing the end of the
+        // `release` that unwound its fiber.
+        let other = std::thread::spawn(move || rx.into_iter().count());
+        for _ in 0..rounds {
+            let fiber = Fiber::<()>::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+            let tx = tx.clone();
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    struct SendsWaiter(std::sync::mpsc::Sender<Waiter>);
+                    impl Drop for SendsWaiter {
+                        fn drop(&mut self) {
+                            let _ = self
+                                .0
+                                .send(Waiter::current().expect("unwound as the current fiber"));
+                        }
+                    }
+                    let _s = SendsWaiter(tx);
+                    yield_now();
+                })
+                .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+            drop(fiber); // unwound here; the other thread drops the last reference
+        }
+        drop(tx);
+        assert_eq!(other.join().unwrap(), rounds, "every destructor sent its waiter");
+    });
+}
