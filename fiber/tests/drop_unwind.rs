@@ -549,24 +549,31 @@ fn a_value_returned_after_a_caught_forced_unwind_cannot_suspend_into_the_dead_fu
     });
 }
 
+/// A fiber whose function (not started) captures a drop counter, then a
+/// value whose destructor panics.
+fn with_a_capture_that_panics_on_drop(drops: &Arc<AtomicUsize>) -> Fiber<()> {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("closure capture dropped");
+        }
+    }
+    let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    let (first, second) = (DropCounter(drops.clone()), PanicsOnDrop);
+    fiber
+        .set_function(Priority::NORMAL, move || {
+            let _keep = (&first, &second);
+        })
+        .unwrap();
+    fiber
+}
+
 #[test]
 fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
     let _serial = leak_count_lock();
     with_watchdog(30, "replace_panicking_closure", || {
-        struct PanicsOnDrop;
-        impl Drop for PanicsOnDrop {
-            fn drop(&mut self) {
-                panic!("closure capture dropped");
-            }
-        }
         let drops = counter();
-        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        let (first, second) = (DropCounter(drops.clone()), PanicsOnDrop);
-        fiber
-            .set_function(Priority::NORMAL, move || {
-                let _keep = (&first, &second);
-            })
-            .unwrap();
+        let fiber = with_a_capture_that_panics_on_drop(&drops);
         let replaced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             fiber.set_function(Priority::NORMAL, || {})
         }));
@@ -595,20 +602,8 @@ fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
 fn dropping_a_fiber_whose_unstarted_closure_panics_on_drop_leaks_and_counts_it() {
     let _serial = leak_count_lock();
     with_watchdog(30, "drop_panicking_unstarted_closure", || {
-        struct PanicsOnDrop;
-        impl Drop for PanicsOnDrop {
-            fn drop(&mut self) {
-                panic!("closure capture dropped");
-            }
-        }
         let drops = counter();
-        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        let (first, second) = (DropCounter(drops.clone()), PanicsOnDrop);
-        fiber
-            .set_function(Priority::NORMAL, move || {
-                let _keep = (&first, &second);
-            })
-            .unwrap();
+        let fiber = with_a_capture_that_panics_on_drop(&drops);
         let leaked_before = leaked_stacks();
         drop(fiber); // the panic is contained by the drop
         assert_eq!(
