@@ -678,9 +678,8 @@ impl<T: Send + 'static> Fiber<T> {
         slot.stack = Some(coro.into_stack());
         slot.pin = NO_PIN;
         self.header().pinned_to.store(0, Ordering::Relaxed);
-        self.header()
-            .yielder
-            .store(std::ptr::null_mut(), Ordering::Relaxed);
+        // The yielder was cleared by the function's root wrapper before its
+        // last switch.
         self.header().state.store(FiberState::Finished);
     }
 
