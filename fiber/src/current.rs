@@ -217,7 +217,10 @@ fn yielder_of(h: *const Header) -> *const Yielder {
 #[cold]
 #[inline(never)]
 fn no_yielder() -> ! {
-    panic!("spindle_fiber: suspension of a fiber whose function is not running")
+    panic!(
+        "spindle_fiber: yield or sleep from a fiber whose function is not running (a value dropped \
+         after the function returned): suspend only from inside the function"
+    )
 }
 
 /// Suspends the current fiber so that whoever runs it can run others; the
@@ -373,7 +376,11 @@ pub fn sleep() {
 #[inline]
 pub fn sleep_on(reason: &'static WaitReason) {
     let h = current_header();
-    assert!(!h.is_null(), "spindle_fiber::sleep called outside a fiber");
+    assert!(
+        !h.is_null(),
+        "spindle_fiber::sleep called outside a fiber: a thread has nothing to put to sleep; wait \
+         with a thread primitive (spindle-sync's types block a thread instead), or check in_fiber()"
+    );
     // SAFETY: as in `yield_value`.
     let hr = unsafe { &*h };
     hr.wait_reason

@@ -71,7 +71,8 @@ impl fmt::Display for StackError {
             StackError::TooSmall { requested, minimum } => write!(
                 f,
                 "fiber stack size {requested} bytes is too small: ask for at least {minimum} bytes \
-                 (the default is 128 KiB)"
+                 (a fiber that may panic needs about 8 KiB, 32 KiB with RUST_BACKTRACE set; the \
+                 default is 128 KiB)"
             ),
             StackError::TooLarge { requested, maximum } => write!(
                 f,
@@ -81,13 +82,16 @@ impl fmt::Display for StackError {
             StackError::OutOfMemory { bytes } => write!(
                 f,
                 "could not map a {bytes}-byte fiber stack: out of memory (ENOMEM). Each guarded stack \
-                 uses two kernel memory mappings, so around 32,000 live fibers hit the default \
-                 vm.max_map_count limit of 65,530: raise it (sysctl vm.max_map_count), keep fewer \
-                 fibers alive at once, or use smaller stacks"
+                 uses two kernel memory mappings, so around 32,000 live fibers (counting the idle \
+                 stacks kept by stack pools) hit the default vm.max_map_count limit of 65,530: \
+                 raise it (sysctl vm.max_map_count), keep fewer fibers alive at once, or use \
+                 smaller stacks"
             ),
             StackError::Map { bytes, errno } => write!(
                 f,
-                "could not map a {bytes}-byte fiber stack: {}",
+                "could not map a {bytes}-byte fiber stack: {}; check the process's memory limits \
+                 (ulimit -v, RLIMIT_AS, a seccomp or container policy on mmap/mprotect) or ask for \
+                 a smaller stack",
                 io::Error::from_raw_os_error(*errno)
             ),
         }
@@ -103,25 +107,28 @@ impl std::error::Error for StackError {}
 pub enum FiberError {
     /// `run` on a fiber that has no function.
     NoFunction(FiberId),
-    /// `run` on a fiber whose function already returned, panicked, or was
-    /// unwound when the fiber was dropped.
+    /// `run` on a fiber whose function already returned or panicked.
     Finished(FiberId),
     /// `set_function` on a fiber suspended in the middle of its function.
     Busy(FiberId),
-    /// `run` on a fiber that is running right now (on this or another thread).
+    /// `run` or `set_function` on a fiber that is running right now: on
+    /// another thread, or on this one (the caller is that fiber, or a
+    /// fiber it runs).
     Running(FiberId),
     /// `run` on a fiber that sits in a run queue.
     Queued(FiberId),
-    /// `run` on a fiber that sleeps on a synchronisation primitive.
+    /// `run` or `set_function` on a fiber that sleeps on a synchronisation
+    /// primitive.
     Sleeping(FiberId),
     /// `mark_dequeued` on a fiber that is not in a queue.
     NotQueued(FiberId),
     /// `run` of a pinned fiber on a thread other than the one it started on.
     WrongThread(FiberId),
-    /// `set_function` on a fiber that has no stack any more: it was
-    /// dropped while suspended, and a destructor that ran during that
+    /// `run` or `set_function` on a fiber that has no stack any more: it
+    /// was dropped while suspended, and a destructor that ran during that
     /// unwind kept a reference to it (a `Waiter`), so its stack went back
-    /// to the pool (or was leaked) without it.
+    /// to the pool (or was leaked) without it; or dropping its unstarted
+    /// closure panicked (see [`Fiber::set_function`](crate::Fiber::set_function)).
     NoStack(FiberId),
     /// The fiber's stack could not be created.
     Stack(StackError),
@@ -135,8 +142,8 @@ impl fmt::Display for FiberError {
             }
             FiberError::Finished(id) => write!(
                 f,
-                "fiber {id} already returned: call set_function to give it a new function before \
-                 running it again"
+                "fiber {id} has finished its function (it returned or panicked): call set_function \
+                 to give it a new function before running it again"
             ),
             FiberError::Busy(id) => write!(
                 f,
@@ -145,8 +152,9 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Running(id) => write!(
                 f,
-                "fiber {id} is already running: a fiber runs on one thread at a time; wait until \
-                 it suspends"
+                "fiber {id} is already running, on another thread or as the caller itself (or a \
+                 fiber that runs the caller): run it, or set its function, once it has suspended, \
+                 and never from inside the fiber or a fiber it runs"
             ),
             FiberError::Queued(id) => write!(
                 f,
@@ -154,8 +162,9 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Sleeping(id) => write!(
                 f,
-                "fiber {id} is asleep on a synchronisation primitive: it becomes runnable (and is \
-                 pushed to its run queue) when woken"
+                "fiber {id} is asleep on a synchronisation primitive: leave it until a wake makes \
+                 it runnable again (it is pushed to the run queue it was last queued on, or left \
+                 ready to run if it has none), then run it"
             ),
             FiberError::NotQueued(id) => write!(
                 f,
@@ -163,8 +172,8 @@ impl fmt::Display for FiberError {
             ),
             FiberError::WrongThread(id) => write!(
                 f,
-                "fiber {id} is pinned to the thread it started on: run it there, or create it with \
-                 the unsafe set_function_migratable if its function is safe to move"
+                "fiber {id} is pinned to the thread it started on: run it there, or give it its \
+                 function with the unsafe set_function_migratable if that function is safe to move"
             ),
             FiberError::NoStack(id) => write!(
                 f,
@@ -207,6 +216,10 @@ mod tests {
             }
         );
         assert_eq!(eperm.os_error().and_then(|e| e.raw_os_error()), Some(libc::EPERM));
+        assert!(
+            eperm.to_string().contains("check the process's memory limits"),
+            "{eperm}"
+        );
 
         // A refusal without a system call reads as EINVAL, not "os error 0".
         let refused =

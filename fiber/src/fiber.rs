@@ -59,6 +59,12 @@ impl FiberAttr {
     }
 
     /// Usable stack bytes (rounded up to whole pages); the guard page is extra.
+    ///
+    /// Anything from [`MIN_STACK_SIZE`](crate::MIN_STACK_SIZE) up is
+    /// accepted, but std's panic machinery alone needs about 8 KiB (32 KiB
+    /// when `RUST_BACKTRACE` is set): a fiber that may panic, format or
+    /// call deep library code wants more. Overflowing aborts the process
+    /// with a report naming the fiber.
     pub fn stack_size(mut self, bytes: usize) -> FiberAttr {
         self.stack_size = bytes;
         self
@@ -280,6 +286,28 @@ impl<T> Inner<T> {
 /// fn assert_send<T: Send>() {}
 /// assert_send::<spindle_fiber::Fiber<std::rc::Rc<u8>>>();
 /// ```
+///
+/// ```compile_fail,E0277
+/// fn assert_sync<T: Sync>() {}
+/// assert_sync::<spindle_fiber::Fiber<std::rc::Rc<u8>>>();
+/// ```
+///
+/// The migratable opt-in asks the same of what the function captures:
+///
+/// ```compile_fail,E0277
+/// let rc = std::rc::Rc::new(1);
+/// let f = spindle_fiber::Fiber::new(Default::default()).unwrap();
+/// // SAFETY: the function holds nothing across a suspension (it has none).
+/// unsafe { f.set_function_migratable(Default::default(), move || *rc) }.unwrap();
+/// ```
+///
+/// Errors are plain `Send + Sync` values:
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync + 'static>() {}
+/// assert_send_sync::<spindle_fiber::FiberError>();
+/// assert_send_sync::<spindle_fiber::StackError>();
+/// ```
 pub struct Fiber<T = ()> {
     inner: NonNull<Inner<T>>,
     /// A counted share of the `Inner` (Send and Sync are stated below).
@@ -323,6 +351,7 @@ impl<T: Send + 'static> Fiber<T> {
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
             unwinding_for_drop: AtomicBool::new(false),
+            stackless: AtomicBool::new(false),
         };
         let inner = Box::new(Inner {
             header,
@@ -349,9 +378,10 @@ impl<T: Send + 'static> Fiber<T> {
     /// The function is pinned to the thread that first runs it.
     ///
     /// Errors: [`FiberError::Busy`] while a started function is suspended,
-    /// [`FiberError::Running`] or [`FiberError::Queued`] while it runs or
-    /// waits in a queue, and [`FiberError::NoStack`] for a fiber that lost
-    /// its stack when it was dropped mid-function.
+    /// [`FiberError::Running`], [`FiberError::Queued`] or
+    /// [`FiberError::Sleeping`] while it runs, waits in a queue or sleeps,
+    /// and [`FiberError::NoStack`] for a fiber that lost its stack when it
+    /// was dropped mid-function.
     ///
     /// # Panics
     ///
@@ -417,6 +447,7 @@ impl<T: Send + 'static> Fiber<T> {
                     // fiber has no stack now.
                     let _ = ManuallyDrop::new(c);
                     crate::report::note_leaked_stack();
+                    h.stackless.store(true, Ordering::Relaxed);
                     h.state.store(FiberState::Finished);
                     std::panic::resume_unwind(payload);
                 }
@@ -548,9 +579,9 @@ impl<T: Send + 'static> Fiber<T> {
         let Some(coro) = (unsafe { (*slot).coro.as_mut() }) else {
             // Only a fiber whose suspended function was unwound while a
             // destructor kept a reference to it gets here (see `release`):
-            // its function is over.
+            // its function is over, and its stack is gone.
             h.state.store(FiberState::Finished);
-            return Err(FiberError::Finished(h.id));
+            return Err(FiberError::NoStack(h.id));
         };
         // Make this fiber current (the overflow handler then knows whose
         // guard page to check) and read the thread's id in the same access.
@@ -888,6 +919,9 @@ impl<T> Fiber<T> {
         let id = self.header().id;
         match found {
             FiberState::Empty => FiberError::NoFunction(id),
+            FiberState::Finished if self.header().stackless.load(Ordering::Relaxed) => {
+                FiberError::NoStack(id)
+            }
             FiberState::Finished => FiberError::Finished(id),
             FiberState::Queued => FiberError::Queued(id),
             FiberState::Sleeping => FiberError::Sleeping(id),
@@ -902,6 +936,7 @@ impl<T> Fiber<T> {
         match found {
             FiberState::Running | FiberState::RunningWoken | FiberState::Locked => FiberError::Running(id),
             FiberState::Queued => FiberError::Queued(id),
+            FiberState::Sleeping => FiberError::Sleeping(id),
             _ => FiberError::Busy(id),
         }
     }
@@ -993,6 +1028,9 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             .header
             .yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
+        // If a destructor kept a reference, the fiber lives on without a
+        // stack (if not, this flag is freed with it below).
+        inner.header.stackless.store(true, Ordering::Relaxed);
         // Give up the reference taken back above.
         if inner.refs.fetch_sub(1, Ordering::Release) != 1 {
             // A destructor kept a reference: the fiber lives on without a

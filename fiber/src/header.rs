@@ -129,7 +129,9 @@ pub struct FiberStats {
     pub yields: u64,
     /// Times the fiber went to sleep on a synchronisation primitive.
     pub sleeps: u64,
-    /// Times the fiber was resumed on a different thread than the previous run.
+    /// Times the fiber ran on a different thread than its previous run
+    /// (of this function or an earlier one: a new function's first run
+    /// elsewhere counts too).
     pub migrations: u64,
 }
 
@@ -168,6 +170,11 @@ pub(crate) struct Header {
     /// (read by `may_sleep` on the fiber's stack, same thread), cleared
     /// when that unwind is over and by `set_function`.
     pub(crate) unwinding_for_drop: AtomicBool,
+    /// Set once the fiber has lost its stack for good (its suspended
+    /// function was unwound on drop while a destructor kept a reference,
+    /// or dropping an unstarted closure panicked); never cleared. Read by
+    /// the error paths of `run` and `set_function`.
+    pub(crate) stackless: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
     /// The thread a pinned function is bound to once it has run (0: none,

@@ -62,7 +62,9 @@ pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
 pub use header::{FiberId, FiberIdHasher, FiberStats, Priority, WaitReason};
 pub use report::leaked_stacks;
-pub use stack::{FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE};
+pub use stack::{
+    FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE, MIN_STACK_SIZE,
+};
 pub use state::FiberState;
 
 #[doc(hidden)]

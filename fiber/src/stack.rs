@@ -8,13 +8,18 @@
 use std::fmt;
 use std::sync::{Mutex, OnceLock};
 
-use corosensei::stack::{Stack, StackPointer, MIN_STACK_SIZE};
+use corosensei::stack::{Stack, StackPointer};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::error::StackError;
 
 /// Default usable stack size: 128 KiB, as in the design reference.
 pub const DEFAULT_STACK_SIZE: usize = 128 * 1024;
+
+/// Smallest usable stack size accepted (what the context switch itself
+/// needs); see [`FiberAttr::stack_size`](crate::FiberAttr::stack_size) for
+/// what real code needs.
+pub const MIN_STACK_SIZE: usize = corosensei::stack::MIN_STACK_SIZE;
 
 /// Largest usable stack size accepted (1 GiB): larger requests are almost
 /// certainly a unit mistake.
@@ -35,15 +40,21 @@ pub(crate) fn page_size() -> usize {
 /// Implements corosensei's [`Stack`] trait. Obtain one through
 /// [`StackPool::take`]; give it back with [`StackPool::give`] (fibers do both
 /// for you).
+///
+/// A stack is `Send` and `Sync`, derived from its owned mapping: it is
+/// plain memory with no thread affinity (pools hand stacks between
+/// threads), and `&FiberStack` only reads its bounds.
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::FiberStack>();
+/// ```
 pub struct FiberStack {
     map: MmapMut,
     usable: usize,
     /// Top of the usable region (read on every switch into the fiber).
     base: usize,
 }
-
-// SAFETY: the mapping is owned memory with no thread affinity.
-unsafe impl Send for FiberStack {}
 
 impl FiberStack {
     /// Maps a new stack with `usable` bytes (rounded up to whole pages) plus
@@ -136,6 +147,12 @@ impl fmt::Debug for FiberStack {
 /// dropped, so that a steady state of creating and dropping fibers makes no
 /// `mmap`/`munmap` calls. At most [`capacity`](StackPool::capacity) stacks
 /// are kept; extra stacks are unmapped.
+///
+/// A cached stack keeps the pages its fibers touched (giving them back
+/// would cost a system call per fiber): after a burst of fibers that ran
+/// deep, up to `capacity` times their depth stays resident. Giving such
+/// fibers a pool of their own with a small capacity
+/// ([`FiberAttr::pool`](crate::FiberAttr::pool)) bounds that.
 ///
 /// ```
 /// use spindle_fiber::StackPool;

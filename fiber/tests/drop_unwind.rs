@@ -451,7 +451,11 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
         waiter.wake();
         let fiber = home.0.lock().unwrap().pop().expect("the wake scheduled it");
         fiber.mark_dequeued().unwrap();
-        assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
+        // It has no stack left: the error says so and what to do.
+        match fiber.run() {
+            Err(e @ FiberError::NoStack(_)) => assert!(e.to_string().contains("create a new fiber"), "{e}"),
+            other => panic!("run of a fiber without a stack gave {other:?}"),
+        }
         assert_eq!(fiber.state(), FiberState::Finished);
         assert!(
             current().is_none(),
@@ -464,7 +468,7 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
             other => panic!("set_function on a fiber without a stack gave {other:?}"),
         }
         assert_eq!(fiber.state(), FiberState::Finished);
-        assert!(matches!(fiber.run(), Err(FiberError::Finished(_))));
+        assert!(matches!(fiber.run(), Err(FiberError::NoStack(_))));
     });
 }
 
@@ -587,7 +591,7 @@ fn replacing_a_function_whose_closure_panics_on_drop_drops_each_capture_once() {
             "the other capture was dropped once, not twice"
         );
         assert!(
-            matches!(fiber.run(), Err(spindle_fiber::FiberError::Finished(_))),
+            matches!(fiber.run(), Err(spindle_fiber::FiberError::NoStack(_))),
             "{:?}",
             fiber.run()
         );

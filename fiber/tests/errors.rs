@@ -44,8 +44,18 @@ fn a_zero_stack_size_is_too_small() {
         matches!(below, FiberError::Stack(StackError::TooSmall { .. })),
         "{below:?}"
     );
-    let at = Fiber::<()>::new(FiberAttr::new().stack_size(minimum)).unwrap();
+    let at = Fiber::new(FiberAttr::new().stack_size(minimum)).unwrap();
     assert!(at.stack_size() >= minimum);
+    // And a fiber on it runs, yields and returns (a panic needs more: the
+    // message says so).
+    at.set_function(Priority::NORMAL, || {
+        spindle_fiber::yield_value(3);
+        4
+    })
+    .unwrap();
+    assert!(matches!(at.run().unwrap(), RunOutcome::Yielded(3)));
+    assert!(matches!(at.run().unwrap(), RunOutcome::Returned(4)));
+    assert!(msg.contains("a fiber that may panic needs about 8 KiB"), "{msg}");
 }
 
 #[test]
@@ -118,7 +128,7 @@ fn running_a_fiber_that_runs_on_another_thread_is_refused() {
         );
         let msg = err.to_string();
         assert!(msg.contains("already running"), "{msg}");
-        assert!(msg.contains("wait until it suspends"), "{msg}");
+        assert!(msg.contains("once it has suspended"), "{msg}");
         assert!(matches!(
             fiber.set_function(Priority::NORMAL, || "replaced"),
             Err(FiberError::Running(_))
@@ -172,9 +182,9 @@ fn every_message_names_the_fiber_and_says_what_to_do() {
         (FiberError::NoFunction(id), "set_function"),
         (FiberError::Finished(id), "set_function"),
         (FiberError::Busy(id), "run it to completion"),
-        (FiberError::Running(id), "wait until it suspends"),
+        (FiberError::Running(id), "once it has suspended"),
         (FiberError::Queued(id), "pop it from the queue"),
-        (FiberError::Sleeping(id), "when woken"),
+        (FiberError::Sleeping(id), "leave it until a wake"),
         (FiberError::WrongThread(id), "set_function_migratable"),
         (FiberError::NotQueued(id), "only a scheduler that queued it"),
         (FiberError::NoStack(id), "create a new fiber"),

@@ -60,7 +60,7 @@ fn yields_zero_to_nine_then_returns_ten_and_restarts_after_set_function() {
             "message names the fiber: {msg}"
         );
         assert!(
-            msg.contains("already returned"),
+            msg.contains("finished its function"),
             "message says what happened: {msg}"
         );
         assert!(msg.contains("set_function"), "message says what to do: {msg}");

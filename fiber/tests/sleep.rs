@@ -55,10 +55,13 @@ fn a_sleeping_fiber_is_woken_by_its_waiter() {
         let msg = err.to_string();
         assert!(msg.contains("asleep"), "{msg}");
         assert!(
-            msg.contains("when woken"),
-            "message says what happens next: {msg}"
+            msg.contains("leave it until a wake"),
+            "message says what to do: {msg}"
         );
-        assert!(fiber.set_function(Priority::NORMAL, || 0).is_err());
+        assert!(matches!(
+            fiber.set_function(Priority::NORMAL, || 0),
+            Err(FiberError::Sleeping(_))
+        ));
         assert_eq!(fiber.state(), FiberState::Sleeping);
 
         let waiter = take(&slot);
