@@ -41,6 +41,11 @@ pub enum OnDeadlock {
 /// Builds an [`Executor`](crate::Executor).
 ///
 /// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
 /// use std::time::Duration;
 /// use spindle_executor::Executor;
 ///

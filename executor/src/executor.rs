@@ -22,6 +22,11 @@ use crate::task::{JoinError, TaskCell, TaskRef};
 /// thread of its own, and `drop` returns at once.)
 ///
 /// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
 /// use spindle_executor::Executor;
 ///
 /// let exec = Executor::builder().workers(2).build();
@@ -43,6 +48,11 @@ pub struct Handle {
 /// Name, priority of a fiber to spawn.
 ///
 /// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
 /// use spindle_executor::{Executor, Priority, SpawnOptions};
 ///
 /// let exec = Executor::builder().workers(1).build();
@@ -170,6 +180,11 @@ impl Handle {
     /// [`Executor::scope`] through a handle, e.g. from inside a fiber:
     ///
     /// ```
+    /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+    /// #     std::thread::sleep(std::time::Duration::from_secs(60));
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     std::process::exit(1)
+    /// # });
     /// use spindle_executor::{Executor, Handle};
     ///
     /// let exec = Executor::builder().workers(2).build();
@@ -270,6 +285,7 @@ impl Handle {
             workers: self.shared.active.load(Ordering::Relaxed),
             peak_workers: c.peak_workers.load(Ordering::Relaxed),
             deadlocks: c.deadlocks.load(Ordering::Relaxed),
+            stack_waits: c.stack_waits.load(Ordering::Relaxed),
         }
     }
 }
@@ -423,6 +439,10 @@ pub struct ExecutorStats {
     pub peak_workers: usize,
     /// Deadlocks detected.
     pub deadlocks: u64,
+    /// Times a job could not start because no fiber stack could be mapped
+    /// (the kernel's `vm.max_map_count` limit, or memory) and went back to
+    /// its queue, to start once running fibers have finished.
+    pub stack_waits: u64,
 }
 
 /// Owns the right to join a spawned fiber.

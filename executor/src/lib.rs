@@ -2,6 +2,11 @@
 //! `spawn`, `join`, channels and semaphores and never thinks about workers.
 //!
 //! ```
+//! # std::thread::spawn(|| { // a watchdog: a hang fails the example
+//! #     std::thread::sleep(std::time::Duration::from_secs(60));
+//! #     eprintln!("watchdog: this example did not finish within 60 s");
+//! #     std::process::exit(1)
+//! # });
 //! use spindle_executor::{yield_now, Executor};
 //!
 //! let exec = Executor::builder().workers(2).build();

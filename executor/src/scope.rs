@@ -15,6 +15,11 @@ use crate::task::{JoinError, TaskCell};
 /// A scope to spawn borrowing fibers in; see [`Executor::scope`](crate::Executor::scope).
 ///
 /// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
 /// use spindle_executor::Executor;
 ///
 /// let exec = Executor::builder().workers(2).build();

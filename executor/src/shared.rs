@@ -94,6 +94,8 @@ pub(crate) struct Counters {
     pub(crate) scale_downs: AtomicU64,
     pub(crate) peak_workers: AtomicUsize,
     pub(crate) deadlocks: AtomicU64,
+    /// Jobs put back because no stack could be mapped (cold path).
+    pub(crate) stack_waits: AtomicU64,
 }
 
 /// Counters written by one worker only (plain load + store), summed on

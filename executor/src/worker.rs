@@ -259,6 +259,7 @@ impl Worker {
                                  jobs wait until running fibers finish"
                             )
                         });
+                        self.shared().stats.stack_waits.fetch_add(1, Ordering::Relaxed);
                         self.shared().global[class_of(job.priority)].push(job);
                         std::thread::yield_now();
                         return None;

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{wait_for, watchdog, Flag};
 use spindle_executor::{sleep, yield_now, Executor, JoinError, SpawnOptions};
@@ -29,7 +29,11 @@ fn cancel_a_fiber_looping_in_yield_now() {
                 }
             })
         };
-        wait_for(&stage, "the fiber to loop", || looping.is_set());
+        // A few rounds: the fiber is in its loop, between yields, when the
+        // cancel comes.
+        wait_for(&stage, "the fiber to loop through a few yields", || {
+            looping.is_set() && rounds.load(Ordering::Relaxed) >= 3
+        });
         assert!(!dropped.is_set(), "the local lives while the fiber loops");
 
         stage.set("cancelling and joining");
@@ -45,7 +49,6 @@ fn cancel_a_fiber_looping_in_yield_now() {
         }
         assert!(err.to_string().contains("looper"), "{err}");
         assert!(dropped.is_set(), "the fiber's local was dropped by the unwind");
-        assert!(rounds.load(Ordering::Relaxed) >= 1);
         assert!(exec.stats().cancelled >= 1, "{:?}", exec.stats());
     });
 }
@@ -67,13 +70,12 @@ fn cancel_a_fiber_asleep_in_a_long_sleep() {
         };
         wait_for(&stage, "the fiber to go to sleep", || sleeping.is_set());
 
+        // The sleep outlasts the watchdog: a join that returns at all was
+        // woken by the cancel.
         stage.set("cancelling a 60 s sleep");
-        let start = Instant::now();
         h.cancel();
         let err = h.join().expect_err("a cancelled fiber has no value");
-        let took = start.elapsed();
         assert!(err.is_cancelled(), "expected Cancelled, got {err}");
-        assert!(took < Duration::from_secs(5), "cancel woke the sleeper promptly (took {took:?})");
         assert!(dropped.is_set(), "the fiber's local was dropped by the unwind");
     });
 }

@@ -220,20 +220,22 @@ fn abort_prints_the_report_then_aborts() {
         eprintln!("the join returned");
         return;
     }
-    watchdog(name, 60, move |_| {
-        // Through the shell, to turn core dumps off for the aborting child.
-        let out = std::process::Command::new("sh")
-            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
-            .arg(std::env::current_exe().unwrap())
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("running the child test process");
+    {
+        // Through the shell, to turn core dumps off for the aborting child;
+        // killed if it hangs instead of aborting.
+        let out = common::output_within(
+            std::process::Command::new("sh")
+                .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+                .arg(std::env::current_exe().unwrap())
+                .args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env("RUST_BACKTRACE", "0"),
+            60,
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(out.status.signal(), Some(6), "the child should abort (SIGABRT):\n{stderr}");
         assert!(stderr.contains("deadlock detected") && stderr.contains("'stuck'"), "{stderr}");
         assert!(!stderr.contains("the join returned"), "{stderr}");
-    });
+    }
 }

@@ -141,7 +141,8 @@ fn scope_whose_body_panics_still_waits_for_its_fibers() {
                 panic!("scope body fails");
             })
         }));
-        assert!(result.is_err());
+        let payload = result.expect_err("the body's panic comes out of the scope");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"scope body fails"), "the body's own payload");
         assert_eq!(finished.load(Ordering::SeqCst), 8, "the fibers finished before the unwind left");
     });
 }

@@ -49,10 +49,12 @@ fn drop_unwinds_fibers_parked_in_join() {
         let sleeper_dropped = Flag::new();
         let joiner_dropped = Flag::new();
         let joining = Flag::new();
+        let sleeping = Flag::new();
         let sleeper = {
-            let guard = sleeper_dropped.on_drop();
+            let (guard, sleeping) = (sleeper_dropped.on_drop(), sleeping.clone());
             exec.spawn(move || {
                 let _g = guard;
+                sleeping.set();
                 sleep(Duration::from_secs(60));
             })
         };
@@ -64,7 +66,11 @@ fn drop_unwinds_fibers_parked_in_join() {
                 let _ = sleeper.join();
             })
         };
-        wait_for(&stage, "the joiner to join", || joining.is_set());
+        // Both started: the flags are set by unwinds, not by jobs dropped
+        // before they ran.
+        wait_for(&stage, "the sleeper to sleep and the joiner to join", || {
+            sleeping.is_set() && joining.is_set()
+        });
         stage.set("dropping the executor");
         drop(exec);
         assert!(sleeper_dropped.is_set(), "the joined sleeper was unwound");
@@ -88,7 +94,13 @@ fn drop_unwinds_fibers_parked_in_join_on_a_single_worker() {
                 let _ = sleeper.join();
             })
         };
-        wait_for(&stage, "the joiner to join", || joining.is_set());
+        wait_for(&stage, "the joiner to start", || joining.is_set());
+        // The joiner goes from the flag straight into `join` without
+        // yielding, so on the only worker this probe runs once the joiner
+        // is parked in `join`.
+        let probe = exec.spawn(|| ());
+        wait_for(&stage, "the probe to run behind the parked joiner", || probe.is_finished());
+        assert!(!joiner.is_finished(), "the joiner waits for the 60 s sleeper");
         stage.set("dropping the executor");
         drop(exec);
         assert!(joiner_dropped.is_set(), "the fiber parked in join was unwound");
@@ -152,7 +164,15 @@ fn drop_fails_a_join_blocked_on_another_thread() {
             })
         };
         wait_for(&stage, "the fiber to sleep", || asleep.is_set());
-        let joiner = std::thread::spawn(move || h.join().map_err(|e| e.is_cancelled()));
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let joiner = std::thread::spawn(move || {
+            tid_tx.send(common::current_tid()).unwrap();
+            h.join().map_err(|e| e.is_cancelled())
+        });
+        let tid = tid_rx.recv().unwrap();
+        // The thread goes from the send straight into `join`: once it is
+        // blocked in the kernel, it is blocked there.
+        wait_for(&stage, "the joining thread to block in join", || common::thread_blocked(tid));
         stage.set("dropping the executor while a thread joins");
         drop(exec);
         stage.set("the joining thread returns");
@@ -233,6 +253,11 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
         // dropped where it was woken (its stack, and the token with it,
         // leaked on this thread rather than unwound off its own).
         assert_eq!(sem.waiters(), 0, "the release took the fiber off the list");
+        assert_eq!(
+            sem.available(),
+            0,
+            "the token was handed to the fiber (not left in the count), and went with it"
+        );
     });
 }
 

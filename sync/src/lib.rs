@@ -9,6 +9,11 @@
 //! anywhere.
 //!
 //! ```
+//! # std::thread::spawn(|| { // a watchdog: a hang fails the example
+//! #     std::thread::sleep(std::time::Duration::from_secs(60));
+//! #     eprintln!("watchdog: this example did not finish within 60 s");
+//! #     std::process::exit(1)
+//! # });
 //! use std::sync::Arc;
 //! use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
 //! use spindle_run_queue::RunQueue;

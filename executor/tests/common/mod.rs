@@ -90,6 +90,50 @@ pub fn wait_within(bound: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Runs `cmd` (a child process) and returns its output, with stdout and
+/// stderr captured. Kills it (SIGKILL) and fails the calling test if it
+/// runs longer than `secs` seconds, so that a hung child neither hangs the
+/// test nor outlives it.
+pub fn output_within(cmd: &mut std::process::Command, secs: u64) -> std::process::Output {
+    use std::process::Stdio;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the child process");
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(output) => output.expect("waiting for the child process"),
+        Err(_) => {
+            // Not reaped yet: the waiting thread is still blocked on it.
+            let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            panic!("watchdog: the child process did not finish within {secs} s; killed it")
+        }
+    }
+}
+
+/// The kernel's id of the calling thread (Linux: `/proc/thread-self`).
+pub fn current_tid() -> u32 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("reading /proc/thread-self/stat");
+    stat.split_whitespace().next().and_then(|t| t.parse().ok()).expect("a thread id")
+}
+
+/// Whether thread `tid` of this process is blocked in the kernel (state
+/// `S` or `D` in `/proc/self/task/<tid>/stat`): a way to see that a thread
+/// reached a blocking wait, without sleeping.
+pub fn thread_blocked(tid: u32) -> bool {
+    let stat =
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).expect("reading a thread's stat");
+    // The state follows the command name, which is in parentheses.
+    let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, Some(Some('S' | 'D')))
+}
+
 /// Burns CPU without yielding for `d` (a hog that never reaches a
 /// suspension point).
 pub fn spin_for(d: Duration) {
