@@ -278,7 +278,8 @@ pub struct Waiter {
 // SAFETY: a Waiter only holds a counted reference; every operation on it
 // goes through the header's atomics and the fiber's state machine.
 unsafe impl Send for Waiter {}
-// SAFETY: `&Waiter` only reads immutable header fields.
+// SAFETY: `&Waiter` only reads immutable header fields and reads or
+// writes atomic ones (`set_priority`).
 unsafe impl Sync for Waiter {}
 
 impl Waiter {

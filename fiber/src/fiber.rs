@@ -987,8 +987,11 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
     let (unwind_here, pool) = {
         // SAFETY: as above; this borrow of the slot ends here.
         let slot = unsafe { &mut *inner.slot.get() };
+        // The thread's id word, not `thread_id()`: a thread with no id yet
+        // (0) cannot be a fiber's pin, and dropping a fiber should not give
+        // it one (with the overflow handler's alternate stack).
         let unwind = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
-            && (slot.migratable || slot.pin == thread_id());
+            && (slot.migratable || slot.pin == crate::tls::thread_id_word());
         (unwind, slot.pool)
     };
     if unwind_here {
@@ -1003,6 +1006,11 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             slot.coro.take().expect("checked above")
         };
         inner.header.pinned_to.store(0, Ordering::Relaxed);
+        // From here the fiber has no stack of its own, whatever the unwind
+        // does: a `run` through a reference a destructor takes meanwhile
+        // gets `NoStack`, and so does every later one. (If no reference is
+        // left at the end, the flag is freed with the fiber.)
+        inner.header.stackless.store(true, Ordering::Relaxed);
         // Unwind with this fiber current, so that code in destructors sees
         // where it runs. Code that catches the forced unwind may suspend
         // again (corosensei then restarts the unwind): the fiber side never
@@ -1028,9 +1036,6 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             .header
             .yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
-        // If a destructor kept a reference, the fiber lives on without a
-        // stack (if not, this flag is freed with it below).
-        inner.header.stackless.store(true, Ordering::Relaxed);
         // Give up the reference taken back above.
         if inner.refs.fetch_sub(1, Ordering::Release) != 1 {
             // A destructor kept a reference: the fiber lives on without a

@@ -429,9 +429,10 @@ impl<T: Send + 'static> RunQueue<T> {
         }
     }
 
-    /// Pushes back a fiber that just yielded. Its place was freed when it
-    /// was popped, so this does not fail for capacity (a fiber that is not
-    /// `Ready` is left alone).
+    /// Pushes back a fiber that just yielded. It was admitted by a push
+    /// before, so this does not fail for capacity (a fiber that is not
+    /// `Ready` is left alone); `len()` may then exceed the capacity for a
+    /// while, if pushes took the place it freed when popped.
     pub fn requeue(&self, fiber: &Fiber<T>) {
         if fiber.mark_queued(Some(&self.home)).is_ok() {
             let synced = self.shared.synced.lock();
@@ -461,7 +462,9 @@ impl<T> RunQueue<T> {
         self.len() == 0
     }
 
-    /// Most fibers `try_push` accepts.
+    /// Most fibers `try_push` accepts: a bound on admission. Fibers that
+    /// come back (a requeue after a yield, a wake) are never refused, so
+    /// `len()` may exceed it for a while (DESIGN.md, "The run queue").
     pub fn capacity(&self) -> usize {
         self.shared.capacity
     }
