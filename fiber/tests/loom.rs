@@ -406,7 +406,13 @@ impl World {
         assert!(q.fibers.is_empty() && q.finished);
         if sleeps == ROUNDS {
             self.coverage.slept_every_round.store(true, StdOrdering::Relaxed);
-            if self.deferred[0].load(StdOrdering::Relaxed) {
+            // Round 1's wake deferred, and round 2's wake found the fiber
+            // really asleep (`Owned`, not deferred again): its sleep
+            // transition came before the second release, so a stale "woken"
+            // flag left by round 1 would have resumed it unwoken.
+            if self.deferred[0].load(StdOrdering::Relaxed)
+                && !self.deferred[ROUNDS - 1].load(StdOrdering::Relaxed)
+            {
                 self.coverage
                     .deferred_then_slept
                     .store(true, StdOrdering::Relaxed);
@@ -423,8 +429,9 @@ struct Coverage {
     deferred: [StdAtomicBool; ROUNDS],
     already_woken: StdAtomicBool,
     slept_every_round: StdAtomicBool,
-    /// Round 1's wake deferred (`RunningWoken`), and round 2 slept all the
-    /// same: the interleaving that catches a stale "woken" flag.
+    /// Round 1's wake deferred (`RunningWoken`), and round 2 really slept
+    /// (its wake was `Owned`): the interleaving that catches a stale
+    /// "woken" flag.
     deferred_then_slept: StdAtomicBool,
 }
 
@@ -439,8 +446,9 @@ impl Coverage {
         }
     }
 
-    /// Every wake path in every round, and an execution that slept in
-    /// every round.
+    /// Every wake path in every round, an execution that slept in every
+    /// round, and one that deferred round 1's wake and then really slept in
+    /// round 2.
     fn assert_complete(&self) {
         if preemption_bound() < DEFAULT_PREEMPTIONS {
             return;
@@ -462,6 +470,11 @@ impl Coverage {
         assert!(
             self.slept_every_round.load(StdOrdering::Relaxed),
             "no execution slept every round"
+        );
+        assert!(
+            self.deferred_then_slept.load(StdOrdering::Relaxed),
+            "no execution deferred round 1's wake and then really slept in round 2 \
+             (the stale \"woken\" flag interleaving)"
         );
     }
 }

@@ -223,16 +223,37 @@ fn an_overflow_in_the_last_frames_before_a_switch_is_reported() {
         fiber
             .set_function(Priority::NORMAL, move || yield_near_the_guard(low, off))
             .unwrap();
-        let _ = fiber.run();
-        let _ = fiber.run();
+        // Either the suspension overflows (the report aborts the process),
+        // or it fits: the fiber yields, then returns, and the child passes.
+        let first = fiber.run();
+        assert!(
+            matches!(first, Ok(RunOutcome::Yielded(0))),
+            "first run: {first:?}"
+        );
+        let second = fiber.run();
+        assert!(
+            matches!(second, Ok(RunOutcome::Returned(()))),
+            "second run: {second:?}"
+        );
         return;
     }
     let mut unreported = Vec::new();
+    let mut failed = Vec::new();
     let mut overflowed = 0;
+    let mut completed = 0;
     for off in (0..1024).step_by(8) {
         let out = common::run_child_with(EDGE_CHILD, 60, &off.to_string());
         match out.status.signal() {
-            None => {}
+            // No signal: the yield fitted, and the child must have passed
+            // (a panic in it exits with 101).
+            None => {
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                if out.status.success() && stdout.contains("1 passed") {
+                    completed += 1;
+                } else {
+                    failed.push((off, describe(&out)));
+                }
+            }
             Some(libc::SIGABRT) => {
                 overflowed += 1;
                 let (id, size) = child_fiber(&out);
@@ -246,10 +267,16 @@ fn an_overflow_in_the_last_frames_before_a_switch_is_reported() {
         }
     }
     assert!(
+        failed.is_empty(),
+        "children that did not overflow failed instead of yielding and returning: {failed:#?}"
+    );
+    assert!(
         unreported.is_empty(),
         "overflows not reported as a fiber overflow: {unreported:#?}"
     );
     // The small offsets leave the suspension code too little stack: some
     // children must have overflowed, or the test checked nothing.
     assert!(overflowed > 0, "no offset made the suspension overflow");
+    // And the large ones leave it enough: the edge lies inside the range.
+    assert!(completed > 0, "no offset let the suspension complete");
 }

@@ -264,11 +264,16 @@ fn an_early_wake_with_a_home_schedules_the_fiber_at_once() {
 
 /// Wakes that do not belong to a sleep in progress are void: a second
 /// waiter of one sleep, a waiter kept after the fiber yielded, and one kept
-/// after it returned. None of them panics in the waker or changes the
-/// fiber's state.
+/// after it returned. None of them panics in the waker, changes the fiber's
+/// state or schedules it. The fiber has a home, so a wake taken for a real
+/// one would hand it to the home (without one, a wake stores `Ready`, which
+/// a void wake of a `Ready` fiber could not be told from).
 #[test]
 fn wakes_outside_a_sleep_are_void() {
     with_watchdog(30, "void_wakes", || {
+        let home = Arc::new(Collect::default());
+        let home_dyn: Arc<dyn Schedule<u32>> = home.clone();
+        let scheduled = || home.0.lock().unwrap().len();
         let first: Slot = Arc::default();
         let second: Slot = Arc::default();
         let fiber = Fiber::new(FiberAttr::new().name("void-wakes")).unwrap();
@@ -286,20 +291,35 @@ fn wakes_outside_a_sleep_are_void() {
                 7
             })
             .unwrap();
+        fiber.mark_queued(Some(&home_dyn)).unwrap();
+        fiber.mark_dequeued().unwrap();
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        assert_eq!(scheduled(), 0);
 
         take(&first).wake();
-        assert_eq!(fiber.state(), FiberState::Ready, "the first wake woke it");
+        assert_eq!(fiber.state(), FiberState::Queued, "the first wake woke it");
+        assert_eq!(scheduled(), 1, "the first wake scheduled it on its home");
         take(&second).wake();
         assert_eq!(
             fiber.state(),
-            FiberState::Ready,
+            FiberState::Queued,
             "the second waiter of that sleep is void"
         );
+        assert_eq!(
+            scheduled(),
+            1,
+            "the second waiter of that sleep scheduled nothing"
+        );
+        let woken = home.0.lock().unwrap().pop().unwrap();
+        assert!(Fiber::ptr_eq(&woken, &fiber));
+        drop(woken);
+        fiber.mark_dequeued().unwrap();
 
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert_eq!(fiber.state(), FiberState::Ready);
         take(&first).wake();
         assert_eq!(fiber.state(), FiberState::Ready, "a wake after a yield is void");
+        assert_eq!(scheduled(), 0, "a wake after a yield scheduled nothing");
 
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(7)));
         take(&second).wake();
@@ -308,6 +328,7 @@ fn wakes_outside_a_sleep_are_void() {
             FiberState::Finished,
             "a wake after the return is void"
         );
+        assert_eq!(scheduled(), 0, "a wake after the return scheduled nothing");
         assert_eq!(fiber.stats().sleeps, 1);
     });
 }

@@ -517,7 +517,14 @@ fn a_pinned_fiber_popped_on_another_thread_goes_back_for_its_own() {
 
 /// A thread parked on the queue gets a fiber pinned to it that was woken
 /// into the queue, even when another thread's pop sees it first and sets
-/// it aside.
+/// it aside: the set-aside's own notification wakes the owner, which the
+/// wake did not.
+///
+/// Made deterministic: another popper parks first, then the owner, and
+/// only then is the fiber woken. The wake notifies one parked popper, and
+/// parking_lot's condvar wakes the one that has waited longest (its wait
+/// queue is FIFO), so the other popper's pop meets the fiber first and sets
+/// it aside every time, while the owner stays parked.
 #[test]
 fn a_parked_owner_wakes_for_a_fiber_set_aside_for_it() {
     watchdog("a_parked_owner_wakes_for_a_fiber_set_aside_for_it", 30, |stage| {
@@ -525,31 +532,52 @@ fn a_parked_owner_wakes_for_a_fiber_set_aside_for_it() {
         let sem = Arc::new(Semaphore::new(0));
         let owner_queue = queue.clone();
         let s = sem.clone();
-        stage.set("the owner thread runs a fiber until it sleeps, then parks on the queue");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let owner = std::thread::spawn(move || {
+        stage.set("the owner thread runs a fiber until it sleeps");
+        let (slept_tx, slept_rx) = std::sync::mpsc::channel();
+        let (park_tx, park_rx) = std::sync::mpsc::channel();
+        let owner = thread::spawn(move || {
             let f = fiber(Priority::NORMAL, move || {
                 s.acquire();
                 5
             });
             owner_queue.try_push(f).unwrap();
             assert!(matches!(owner_queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-            tx.send(()).unwrap();
-            // Parks: the woken fiber is only handed to this thread.
+            slept_tx.send(()).unwrap();
+            park_rx.recv().unwrap();
+            // Parks: the woken fiber is only handed to this thread, and
+            // only the set-aside's notification wakes it.
             let f = owner_queue.pop_timeout(Duration::from_secs(60)).expect("woken by the set-aside");
             owner_queue.run_popped(f).outcome.unwrap().unwrap_returned()
         });
-        rx.recv().unwrap();
-        stage.set("waiting for the owner to park");
+        slept_rx.recv().unwrap();
+
+        stage.set("another thread parks on the queue first");
+        let other_queue = queue.clone();
+        let other = thread::spawn(move || {
+            let f = other_queue.pop_timeout(Duration::from_secs(60)).expect("a fiber it may run");
+            other_queue.run_popped(f).outcome.unwrap().unwrap_returned()
+        });
+        // Counted under the queue's lock, which the wait releases only once
+        // the thread is on the condvar's wait queue.
         spin_until(|| queue.stats().parks >= 1);
-        stage.set("the release wakes the fiber into the queue; this thread's pop sets it aside");
-        // The wake notifies the parked owner too; whichever pops first, the
-        // owner must end up running it (if this pop sets it aside, only
-        // the set-aside's own notification wakes the owner again).
+        stage.set("then the owner parks, behind it");
+        park_tx.send(()).unwrap();
+        spin_until(|| queue.stats().parks >= 2);
+        assert_eq!(queue.stats().wrong_thread, 0);
+
+        stage.set("the release wakes the fiber into the queue; the other popper's pop sets it aside");
         sem.release(1);
-        assert!(queue.try_pop().is_none(), "not this thread's fiber");
         assert_eq!(owner.join().unwrap(), 5);
-        assert!(queue.stats().wrong_thread <= 1);
+        assert_eq!(
+            queue.stats().wrong_thread,
+            1,
+            "the other popper, woken first, set the fiber aside for its parked owner"
+        );
+
+        stage.set("a fiber the other popper may run lets it go");
+        queue.try_push(fiber(Priority::NORMAL, || 9)).unwrap();
+        assert_eq!(other.join().unwrap(), 9, "the other popper was never handed the pinned fiber");
+        assert!(queue.is_empty());
     });
 }
 

@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{fiber, named_fiber, sleepers_on, watchdog};
+use common::{fiber, named_fiber, run_child_watched, sleepers_on, watchdog};
 use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::Semaphore;
@@ -373,25 +373,26 @@ fn blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node() {
         eprintln!("the drop returned");
         return;
     }
-    watchdog(name, 60, move |_| {
-        // Through the shell, to turn core dumps off for the child that is
-        // meant to abort.
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new("sh")
+    // Through the shell, to turn core dumps off for the child that is
+    // meant to abort (`exec`: the child killed on a timeout is the test
+    // binary itself).
+    let exe = std::env::current_exe().unwrap();
+    let out = run_child_watched(
+        name,
+        60,
+        std::process::Command::new("sh")
             .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
             .arg(exe)
             .args([name, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("running the child test process");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        use std::os::unix::process::ExitStatusExt;
-        // SIGABRT (6): the deliberate abort, not a crash in freed memory.
-        assert_eq!(out.status.signal(), Some(6), "the child should abort:\n{stderr}");
-        assert!(stderr.contains("wait node is still linked, aborting"), "{stderr}");
-        assert!(!stderr.contains("the drop returned"), "{stderr}");
-    });
+            .env("RUST_BACKTRACE", "0"),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    use std::os::unix::process::ExitStatusExt;
+    // SIGABRT (6): the deliberate abort, not a crash in freed memory.
+    assert_eq!(out.status.signal(), Some(6), "the child should abort:\n{stderr}");
+    assert!(stderr.contains("wait node is still linked, aborting"), "{stderr}");
+    assert!(!stderr.contains("the drop returned"), "{stderr}");
 }
 
 /// The other order: a kept waiter wakes the sleeping fiber, and the real

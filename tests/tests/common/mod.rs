@@ -5,11 +5,13 @@
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::panic::resume_unwind;
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
@@ -82,6 +84,84 @@ where
             )
         }
     }
+}
+
+/// Runs `cmd` as a child process with its stdout and stderr captured (stdin
+/// closed) and returns its output: the watchdog for a test that runs a
+/// child. If the child has not exited within `secs` seconds, kills it (a
+/// hung child is not left running) and fails the calling test with
+/// `watchdog: child process of <name> did not finish in <secs>s; killed
+/// it`, followed by what the child wrote.
+pub fn run_child_watched(name: &str, secs: u64, cmd: &mut Command) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{name}: starting the child process: {e}"));
+    // Each pipe is drained on its own thread (a child blocked on a full
+    // pipe would never exit), which sends what it read once the pipe
+    // closes.
+    let (tx, rx) = mpsc::channel::<(usize, Vec<u8>)>();
+    let stdout: Box<dyn Read + Send> = Box::new(child.stdout.take().expect("stdout is piped"));
+    let stderr: Box<dyn Read + Send> = Box::new(child.stderr.take().expect("stderr is piped"));
+    for (i, mut pipe) in [stdout, stderr].into_iter().enumerate() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            // A read error ends the capture; what was read is kept.
+            let _ = pipe.read_to_end(&mut buf);
+            let _ = tx.send((i, buf));
+        });
+    }
+    drop(tx);
+    let mut captured = [Vec::new(), Vec::new()];
+    for _ in 0..2 {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((i, buf)) => captured[i] = buf,
+            Err(RecvTimeoutError::Timeout) => kill_hung_child(name, secs, &mut child, &rx, captured),
+            Err(RecvTimeoutError::Disconnected) => panic!("{name}: a pipe reader thread died"),
+        }
+    }
+    // Both pipes are closed: the child has exited or is exiting.
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::yield_now(),
+            Ok(None) => kill_hung_child(name, secs, &mut child, &rx, captured),
+            Err(e) => panic!("{name}: waiting for the child process: {e}"),
+        }
+    };
+    let [stdout, stderr] = captured;
+    Output { status, stdout, stderr }
+}
+
+/// [`run_child_watched`]'s timeout: kills and reaps the child, then fails
+/// with what it wrote (the pipes close when it dies; collecting them is
+/// bounded too, in case something else still holds them open).
+fn kill_hung_child(
+    name: &str,
+    secs: u64,
+    child: &mut Child,
+    rx: &Receiver<(usize, Vec<u8>)>,
+    mut captured: [Vec<u8>; 2],
+) -> ! {
+    let killed = match child.kill() {
+        Ok(()) => "killed it".to_owned(),
+        Err(e) => format!("killing it failed: {e}"),
+    };
+    let _ = child.wait();
+    let until = Instant::now() + Duration::from_secs(5);
+    while let Ok((i, buf)) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+        captured[i] = buf;
+    }
+    panic!(
+        "watchdog: child process of {name} did not finish in {secs}s; {killed}. It is probably \
+         hung.\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        String::from_utf8_lossy(&captured[0]),
+        String::from_utf8_lossy(&captured[1])
+    )
 }
 
 /// Spins (yielding the thread) until `cond` holds. Not a sleep: it waits
