@@ -101,7 +101,20 @@ impl Builder {
     }
 
     /// Usable stack size of spawned fibers (default 128 KiB).
+    ///
+    /// # Panics
+    ///
+    /// If `bytes` is outside
+    /// [`MIN_STACK_SIZE`](spindle_fiber::MIN_STACK_SIZE)`..=`[`MAX_STACK_SIZE`](spindle_fiber::MAX_STACK_SIZE):
+    /// no fiber could be created, and every spawn would wait forever.
     pub fn stack_size(mut self, bytes: usize) -> Builder {
+        assert!(
+            (spindle_fiber::MIN_STACK_SIZE..=spindle_fiber::MAX_STACK_SIZE).contains(&bytes),
+            "spindle-executor: a fiber stack size of {bytes} bytes cannot be mapped: use {} to {} bytes \
+             (the default is 128 KiB)",
+            spindle_fiber::MIN_STACK_SIZE,
+            spindle_fiber::MAX_STACK_SIZE
+        );
         self.stack_size = bytes;
         self
     }

@@ -84,7 +84,7 @@ mod worker;
 
 pub use config::{Builder, OnDeadlock};
 pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
-pub use ops::{sleep, spawn, yield_if_needed, yield_now, yield_timeout};
+pub use ops::{sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
 pub use scope::{Scope, ScopedJoinHandle};
 pub use spindle_fiber::Priority;
 pub use task::JoinError;

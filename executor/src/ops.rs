@@ -79,8 +79,27 @@ pub fn yield_if_needed() {
 /// the resolution of the sysmon interval (250 µs by default).
 #[track_caller]
 pub fn sleep(d: Duration) {
-    if timed_wait(d, &SLEEPING).is_none() {
-        std::thread::sleep(d);
+    sleep_until(Instant::now() + d)
+}
+
+/// Puts the calling fiber to sleep until `deadline` (a thread sleeps); with
+/// a deadline already past, the fiber sleeps until sysmon's next tick. Fibers whose deadlines have
+/// passed are woken in deadline order, even when one sysmon tick finds
+/// several (test `overdue_timers_fire_in_deadline_order`).
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use spindle_executor::{sleep_until, Executor};
+///
+/// let exec = Executor::builder().workers(1).build();
+/// let deadline = Instant::now() + Duration::from_millis(5);
+/// let woke = exec.block_on(move || { sleep_until(deadline); Instant::now() }).unwrap();
+/// assert!(woke >= deadline);
+/// ```
+#[track_caller]
+pub fn sleep_until(deadline: Instant) {
+    if timed_wait(deadline, &SLEEPING).is_none() {
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
     }
 }
 
@@ -89,7 +108,7 @@ pub fn sleep(d: Duration) {
 /// On an ordinary thread, sleeps for `d` and returns `true`.
 #[track_caller]
 pub fn yield_timeout(d: Duration) -> bool {
-    match timed_wait(d, &YIELD_TIMEOUT) {
+    match timed_wait(Instant::now() + d, &YIELD_TIMEOUT) {
         Some(timed_out) => timed_out,
         None => {
             std::thread::sleep(d);
@@ -98,14 +117,13 @@ pub fn yield_timeout(d: Duration) -> bool {
     }
 }
 
-/// Sleeps in the task's sleep slot until the timer or a wake takes the
-/// waiter. `None` outside an executor fiber.
+/// Sleeps in the task's sleep slot until the timer (at `deadline`) or a
+/// wake takes the waiter. `None` outside an executor fiber.
 #[track_caller]
-fn timed_wait(d: Duration, reason: &'static WaitReason) -> Option<bool> {
+fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
     let (raw, w) = current_task()?;
     check_cancel();
     let task = task_head(raw);
-    let deadline = Instant::now() + d;
     let generation = {
         let mut slot = task.sleep.lock();
         slot.generation += 1;

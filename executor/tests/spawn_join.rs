@@ -202,3 +202,20 @@ fn default_executor_and_handles_from_other_threads() {
         assert_eq!(sum, (0..4000u64).sum());
     });
 }
+
+#[test]
+fn a_stack_size_no_fiber_can_have_is_refused_by_the_builder() {
+    for bytes in [0, spindle_fiber::MIN_STACK_SIZE - 1, spindle_fiber::MAX_STACK_SIZE + 1] {
+        let err = std::panic::catch_unwind(|| Executor::builder().stack_size(bytes))
+            .expect_err("an unmappable stack size panics at once, not in every spawn");
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(&format!("{bytes} bytes cannot be mapped")), "{msg}");
+        assert!(msg.contains(&format!("use {}", spindle_fiber::MIN_STACK_SIZE)), "says what to use: {msg}");
+    }
+    // The bounds themselves are accepted.
+    let _ = Executor::builder()
+        .stack_size(spindle_fiber::MIN_STACK_SIZE)
+        .stack_size(spindle_fiber::MAX_STACK_SIZE);
+    let exec = Executor::builder().workers(1).stack_size(64 * 1024).build();
+    assert_eq!(exec.block_on(|| 7).unwrap(), 7);
+}

@@ -13,7 +13,11 @@ use spindle_executor::{yield_if_needed, Executor};
 
 // The hogs spin until the test stops them, which it does only once the
 // starved fiber has completed: a fiber that is starved for good leaves the
-// test waiting, and the watchdog fails it, naming the stage.
+// test waiting, and the watchdog (30 s) fails it, naming the stage. They
+// give up after `RUNAWAY` anyway, so that a failed test does not keep the
+// cores busy for the rest of the binary; that bound plays no part in
+// whether the test passes.
+const RUNAWAY: Duration = Duration::from_secs(45);
 
 #[test]
 fn two_non_yielding_hogs_do_not_starve_a_third_fiber() {
@@ -27,8 +31,9 @@ fn two_non_yielding_hogs_do_not_starve_a_third_fiber() {
                 let (stop, hogging) = (stop.clone(), Arc::clone(&hogging));
                 exec.spawn(move || {
                     hogging.fetch_add(1, Ordering::SeqCst);
+                    let start = Instant::now();
                     // Busy loop with no suspension point.
-                    while !stop.is_set() {
+                    while !stop.is_set() && start.elapsed() < RUNAWAY {
                         std::hint::spin_loop();
                     }
                 })
@@ -64,7 +69,8 @@ fn cooperative_preemption_on_a_single_worker() {
             let (stop, hogging) = (stop.clone(), hogging.clone());
             exec.spawn(move || {
                 hogging.set();
-                while !stop.is_set() {
+                let start = Instant::now();
+                while !stop.is_set() && start.elapsed() < RUNAWAY {
                     yield_if_needed();
                 }
             })

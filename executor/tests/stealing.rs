@@ -3,11 +3,18 @@
 
 mod common;
 
-use common::{size, watchdog};
-use spindle_executor::{spawn, yield_now, Executor};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{size, watchdog};
+use spindle_executor::{spawn, yield_now, Executor};
+
+/// Loops that wait for stealing give up after this, long after the
+/// watchdog (30 s) has failed the test, so that a failed test does not keep
+/// a core busy for the rest of the binary.
+const RUNAWAY: Duration = Duration::from_secs(45);
 
 /// A little work, so that a fiber is not over before others look for jobs.
 fn busy_work(seed: u64) -> u64 {
@@ -56,7 +63,8 @@ fn fibers_spawned_from_one_fiber_run_on_every_worker() {
                 // has stolen enough; if it never does, the watchdog fails
                 // the test at this stage.
                 stage.set("the spawner's worker spins until the other worker started its jobs");
-                while st.load(Ordering::SeqCst) < more_than_half {
+                let start = Instant::now();
+                while st.load(Ordering::SeqCst) < more_than_half && start.elapsed() < RUNAWAY {
                     std::hint::spin_loop();
                 }
                 stage.set("joining every fiber");
@@ -91,6 +99,7 @@ fn fibers_spawned_from_one_fiber_spread_over_four_workers() {
         let waves = exec
             .block_on(move || {
                 let mut waves = 0;
+                let start = Instant::now();
                 loop {
                     waves += 1;
                     let handles: Vec<_> = (0..400u64)
@@ -105,7 +114,7 @@ fn fibers_spawned_from_one_fiber_spread_over_four_workers() {
                         .collect();
                     let sum = handles.into_iter().map(|h| h.join().unwrap()).fold(0, u64::wrapping_add);
                     assert_eq!(sum, (0..400).map(busy_work).fold(0, u64::wrapping_add));
-                    if s.lock().unwrap().len() >= 4 {
+                    if s.lock().unwrap().len() >= 4 || start.elapsed() >= RUNAWAY {
                         break waves;
                     }
                 }

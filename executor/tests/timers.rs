@@ -55,43 +55,68 @@ fn sleeping_fibers_free_the_worker() {
 }
 
 #[test]
-fn timers_fire_in_deadline_order() {
-    watchdog("timers_fire_in_deadline_order", 30, |stage| {
-        // One worker: woken fibers run in the order their timers fired.
+fn overdue_timers_fire_in_deadline_order() {
+    watchdog("overdue_timers_fire_in_deadline_order", 30, |stage| {
+        // One worker, held by a hog while every deadline passes: sysmon
+        // finds the timers overdue together, and the order in which the
+        // woken fibers then run is the order in which their timers fired.
         let exec = Executor::builder().workers(1).max_workers(1).build();
-        // Each fiber sleeps until base + k x 10 ms; they are spawned latest
-        // deadline first. The order only means something if every fiber
-        // went to sleep before its deadline: a round in which one did not
-        // (the machine stalled for the whole margin) is run again with a
-        // wider margin, and the test fails only if every round stalled.
-        for margin_ms in [200u64, 1_000, 4_000] {
+        // The order means something only if every fiber went to sleep
+        // before the first deadline: the hog checks that when it takes the
+        // worker (all sleepers have suspended by then), and a round in which
+        // the machine stalled for the whole margin is run again with a
+        // wider one. The test fails only if every round stalled.
+        for margin_ms in [50u64, 500, 4_000] {
             stage.set(format!("a round with a {margin_ms} ms margin"));
-            let woke = Arc::new(std::sync::Mutex::new(Vec::new()));
             let base = Instant::now() + Duration::from_millis(margin_ms);
-            let hs: Vec<_> = (1..=10u64)
+            let last_deadline = base + Duration::from_millis(100);
+            let woke = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let asleep = Arc::new(AtomicUsize::new(0));
+            // Spawned latest deadline first.
+            let sleepers: Vec<_> = (1..=10u64)
                 .rev()
                 .map(|k| {
-                    let woke = Arc::clone(&woke);
+                    let (woke, asleep) = (Arc::clone(&woke), Arc::clone(&asleep));
                     exec.spawn(move || {
-                        let deadline = base + Duration::from_millis(k * 10);
-                        let on_time = Instant::now() < deadline;
-                        sleep(deadline.saturating_duration_since(Instant::now()));
+                        asleep.fetch_add(1, Ordering::SeqCst);
+                        spindle_executor::sleep_until(base + Duration::from_millis(k * 10));
                         woke.lock().unwrap().push(k);
-                        on_time
                     })
                 })
                 .collect();
-            let mut all_on_time = true;
-            for h in hs {
-                all_on_time &= h.join().unwrap();
+            let holding = Flag::new();
+            let hog = {
+                let (asleep, holding) = (Arc::clone(&asleep), holding.clone());
+                exec.spawn(move || {
+                    // Let every sleeper reach its sleep (one worker: each
+                    // goes from the count straight to sleep_until).
+                    while asleep.load(Ordering::SeqCst) < 10 {
+                        spindle_executor::yield_now();
+                    }
+                    let on_time = Instant::now() < base;
+                    holding.set();
+                    // Hold the worker, without suspending, until every
+                    // deadline is past.
+                    while Instant::now() <= last_deadline {
+                        std::hint::spin_loop();
+                    }
+                    on_time
+                })
+            };
+            wait_for(&stage, "the hog to hold the worker", || holding.is_set());
+            let on_time = hog.join().unwrap();
+            for h in sleepers {
+                h.join().unwrap();
             }
-            if all_on_time {
+            if on_time {
                 let woke = woke.lock().unwrap().clone();
                 assert_eq!(woke, (1..=10).collect::<Vec<_>>(), "deadline order");
                 return;
             }
         }
-        panic!("in every round a fiber started after its deadline: the machine is too loaded to test timer order");
+        panic!(
+            "in every round the sleepers went to sleep after the first deadline: the machine is too loaded"
+        );
     });
 }
 

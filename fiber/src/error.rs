@@ -153,8 +153,9 @@ impl fmt::Display for FiberError {
             FiberError::Running(id) => write!(
                 f,
                 "fiber {id} is already running, on another thread or as the caller itself (or a \
-                 fiber that runs the caller): run it, or set its function, once it has suspended, \
-                 and never from inside the fiber or a fiber it runs"
+                 fiber that runs the caller): wait until it has suspended before running it or \
+                 setting its function, and never do either from inside the fiber or a fiber it \
+                 runs"
             ),
             FiberError::Queued(id) => write!(
                 f,
@@ -163,8 +164,8 @@ impl fmt::Display for FiberError {
             FiberError::Sleeping(id) => write!(
                 f,
                 "fiber {id} is asleep on a synchronisation primitive: leave it until a wake makes \
-                 it runnable again (it is pushed to the run queue it was last queued on, or left \
-                 ready to run if it has none), then run it"
+                 it runnable again (it is handed to its home scheduler, or left ready to run if it \
+                 has none), then run it"
             ),
             FiberError::NotQueued(id) => write!(
                 f,

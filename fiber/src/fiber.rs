@@ -1039,7 +1039,8 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // Give up the reference taken back above.
         if inner.refs.fetch_sub(1, Ordering::Release) != 1 {
             // A destructor kept a reference: the fiber lives on without a
-            // function (`run` finds it finished), and whoever drops that
+            // function or stack (`run` and `set_function` return
+            // `NoStack`), and whoever drops that
             // reference last frees it. From here on only locals: the stack
             // goes back to the (static) pool.
             if let Some(stack) = stack {

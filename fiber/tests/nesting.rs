@@ -93,7 +93,7 @@ fn running_a_fiber_from_inside_itself_is_refused() {
         assert!(is_running, "expected FiberError::Running, got: {msg}");
         assert!(msg.contains("already running"), "{msg}");
         assert!(
-            msg.contains("never from inside the fiber"),
+            msg.contains("never do either from inside the fiber"),
             "message says what to do: {msg}"
         );
         assert!(matches!(busy, FiberError::Running(_)), "{busy:?}");
