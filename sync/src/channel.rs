@@ -308,6 +308,16 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 
 /// A typed, safe channel of [`Msg<T>`] handles, for fibers and threads.
 ///
+/// Dropping the channel drops the messages still queued (no receiver can
+/// be waiting: a receiver borrows the channel). A fiber that cannot sleep,
+/// because its stack is being unwound after its last handle was dropped,
+/// waits in `pop` like a thread, blocking the dropping thread. A message
+/// handed to a sleeping receiver is its own from then on: if the receiver
+/// is dropped before it runs again, the unwind puts the message back at
+/// the head of the queue (or hands it to the next receiver); if its stack
+/// cannot be unwound (a pinned fiber whose last handle is dropped on
+/// another thread: the stack is leaked), the message is lost with it.
+///
 /// ```
 /// use std::sync::Arc;
 /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};

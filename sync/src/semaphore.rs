@@ -21,7 +21,20 @@ struct Synced {
 /// park). Waiters are woken in FIFO order, fibers and threads alike.
 ///
 /// [`release`](Semaphore::release) may be called from any thread, fiber or
-/// not; it never blocks on a waiter and never allocates.
+/// not; it never blocks on a waiter and never allocates. (Waking a fiber
+/// whose only reference was its wait node, with no run queue to go to,
+/// drops it there, which unwinds its stack: its destructors then run
+/// inside `release`.)
+///
+/// A fiber that cannot sleep, because its stack is being unwound after
+/// its last handle was dropped, waits like a thread: its destructors may
+/// `acquire`, blocking the dropping thread until a release.
+///
+/// A token handed to a sleeping fiber is its own from then on: if the
+/// fiber is dropped before it runs again, the unwind gives the token back
+/// (to the next waiter, or to the count); if its stack cannot be unwound
+/// (a pinned fiber whose last handle is dropped on another thread: the
+/// stack is leaked, see `spindle_fiber`), the token is lost with it.
 ///
 /// ```
 /// use std::sync::Arc;

@@ -72,7 +72,12 @@ pub(crate) struct WaitNode {
 
 impl WaitNode {
     fn for_current(wake_priority: Option<Priority>) -> WaitNode {
-        let sleeper = match Waiter::current() {
+        // A fiber sleeps; so does a thread, and so does a fiber that cannot
+        // sleep: one whose stack is being unwound because it was dropped
+        // (a destructor that waits). A suspension there would only restart
+        // the unwind, so it blocks the dropping thread instead.
+        let fiber = if spindle_fiber::may_sleep() { Waiter::current() } else { None };
+        let sleeper = match fiber {
             Some(w) => Sleeper::Fiber(w),
             None => Sleeper::Thread(std::thread::current()),
         };
@@ -184,11 +189,12 @@ impl Wakeup {
 /// guard gives it back to the primitive (`give_back`, under its lock), which
 /// hands it to the next waiter or keeps it.
 ///
-/// Code that catches the forced unwind and then waits on a primitive links
-/// a node and sleeps, and the sleep re-raises the unwind (a dropped fiber
-/// cannot sleep). Unwinding past `wait` would free a node that is still on
-/// the list, so the process aborts instead, as Rust does for a panic during
-/// a panic.
+/// A dropped fiber's destructors (or code that catches the forced unwind)
+/// that wait on a primitive block the dropping thread instead of sleeping
+/// (`WaitNode::for_current`), so no unwind starts from a linked node's
+/// sleep. Should one ever (a bug), unwinding past `wait` would free a node
+/// that is still on the list, so the process aborts instead, as Rust does
+/// for a panic during a panic.
 struct Linked<'a, S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> {
     node: &'a WaitNode,
     mutex: &'a Mutex<S>,
@@ -199,8 +205,8 @@ impl<S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
     fn drop(&mut self) {
         if !self.node.done.load(Ordering::Acquire) {
             eprintln!(
-                "spindle-sync: a fiber was unwound while waiting on a primitive (it caught the \
-                 unwind of its own drop and then blocked); its wait node is still linked, aborting"
+                "spindle-sync: a fiber was unwound while waiting on a primitive; its wait node is \
+                 still linked, aborting (this is a bug in spindle: please report it)"
             );
             std::process::abort();
         }

@@ -4,10 +4,10 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{fiber, named_fiber, run_child_watched, sleepers_on, watchdog};
+use common::{fiber, named_fiber, sleepers_on, spin_until, watchdog};
 use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::Semaphore;
@@ -351,48 +351,60 @@ fn a_stale_waiter_woken_during_acquire_is_a_spurious_wakeup() {
     });
 }
 
-/// A fiber that catches the forced unwind of its own drop and then blocks
-/// on a semaphore cannot sleep (the sleep re-raises the unwind), and
-/// unwinding out of the wait would free a node that is still linked: the
-/// process aborts with a message instead. Run in a child process.
+/// A dropped fiber's stack is unwound on the dropping thread, and a
+/// destructor there that waits on a semaphore cannot put the fiber to
+/// sleep (a suspension would only restart the unwind): it blocks the
+/// dropping thread, as a thread's wait does, until a release. So does code
+/// that catches the forced unwind and then waits. Before, both aborted the
+/// process.
 #[test]
-fn blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node() {
-    const CHILD: &str = "SPINDLE_TEST_BLOCK_WHILE_DROPPED";
-    let name = "blocking_while_being_dropped_aborts_instead_of_freeing_a_linked_node";
-    if std::env::var(CHILD).is_ok() {
+fn a_wait_in_a_dropped_fibers_destructor_blocks_the_dropping_thread() {
+    watchdog("a_wait_in_a_dropped_fibers_destructor_blocks_the_dropping_thread", 30, |stage| {
+        struct AcquireOnDrop(Arc<Semaphore>, Arc<AtomicBool>);
+        impl Drop for AcquireOnDrop {
+            fn drop(&mut self) {
+                self.0.acquire();
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
         let sem = Arc::new(Semaphore::new(0));
-        let s = sem.clone();
-        let f = fiber(Priority::NORMAL, move || {
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(spindle_fiber::yield_now));
-            s.acquire();
-            "unreachable"
-        });
-        assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
-        drop(f); // forced unwind: caught, then `acquire` blocks
-        sem.release(1);
-        eprintln!("the drop returned");
-        return;
-    }
-    // Through the shell, to turn core dumps off for the child that is
-    // meant to abort (`exec`: the child killed on a timeout is the test
-    // binary itself).
-    let exe = std::env::current_exe().unwrap();
-    let out = run_child_watched(
-        name,
-        60,
-        std::process::Command::new("sh")
-            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
-            .arg(exe)
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .env("RUST_BACKTRACE", "0"),
-    );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    use std::os::unix::process::ExitStatusExt;
-    // SIGABRT (6): the deliberate abort, not a crash in freed memory.
-    assert_eq!(out.status.signal(), Some(6), "the child should abort:\n{stderr}");
-    assert!(stderr.contains("wait node is still linked, aborting"), "{stderr}");
-    assert!(!stderr.contains("the drop returned"), "{stderr}");
+        let (destructor_done, caught_done) =
+            (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let dropper = {
+            let (sem, destructor_done, caught_done) =
+                (sem.clone(), destructor_done.clone(), caught_done.clone());
+            std::thread::spawn(move || {
+                // A local whose destructor waits.
+                let guard = AcquireOnDrop(sem.clone(), destructor_done);
+                let f = fiber(Priority::NORMAL, move || {
+                    let _guard = guard;
+                    spindle_fiber::yield_now();
+                    "unreachable"
+                });
+                assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
+                drop(f); // unwound here: the destructor blocks this thread
+                         // Code that catches the forced unwind, then waits.
+                let f = fiber(Priority::NORMAL, move || {
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(spindle_fiber::yield_now));
+                    sem.acquire();
+                    caught_done.store(true, Ordering::SeqCst);
+                    "unwound"
+                });
+                assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
+                drop(f);
+            })
+        };
+        for (what, done) in [("the destructor", &destructor_done), ("the caught unwind", &caught_done)] {
+            stage.set(format!("the dropping thread blocks in {what}'s acquire"));
+            spin_until(|| sem.waiters() == 1);
+            assert!(!done.load(Ordering::SeqCst), "{what} waits for a token");
+            sem.release(1);
+            stage.set(format!("{what} takes the token and the drop goes on"));
+            spin_until(|| done.load(Ordering::SeqCst));
+        }
+        dropper.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0), "each wait took its token");
+    });
 }
 
 /// The other order: a kept waiter wakes the sleeping fiber, and the real
