@@ -2,8 +2,11 @@
 //! thread and from a fiber inside the pool.
 //!
 //! ```text
-//! cargo run --release -p spindle-executor --example spawn_many -- [workers]
+//! cargo run --release -p spindle-executor --example spawn_many -- [workers] [fiber]
 //! ```
+//!
+//! With `fiber` as the second argument, only the spawns from inside a
+//! fiber are measured.
 use std::time::Instant;
 
 fn main() {

@@ -6,7 +6,12 @@
 use std::time::Instant;
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("numbers"));
+    let mut args = std::env::args().skip(1).map(|a| {
+        a.parse::<usize>().unwrap_or_else(|_| {
+            eprintln!("usage: yield_many [workers] [fibers] [yields] (whole numbers), got {a:?}");
+            std::process::exit(2)
+        })
+    });
     let workers = args.next().unwrap_or(2);
     let fibers = args.next().unwrap_or(1000);
     let yields = args.next().unwrap_or(1000);

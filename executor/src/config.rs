@@ -28,7 +28,10 @@ pub(crate) struct Config {
 /// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnDeadlock {
-    /// Fail the blocked joins with [`JoinError::Deadlock`](crate::JoinError::Deadlock).
+    /// Fail the joins that threads are blocked in with
+    /// [`JoinError::Deadlock`](crate::JoinError::Deadlock), and print the
+    /// report. (A fiber blocked in `join` is part of the deadlock and stays
+    /// asleep; the threads waiting on the executor are what fail.)
     FailJoin,
     /// Abort the process.
     Abort,
@@ -120,7 +123,15 @@ impl Builder {
     }
 
     /// How often sysmon looks at the workers (default 250 µs).
+    ///
+    /// # Panics
+    ///
+    /// If `d` is zero (sysmon would spin).
     pub fn sysmon_interval(mut self, d: Duration) -> Builder {
+        assert!(
+            !d.is_zero(),
+            "spindle-executor: the sysmon interval must be above zero (the default is 250 µs)"
+        );
         self.sysmon_interval = d;
         self
     }
@@ -160,6 +171,11 @@ impl Builder {
     }
 
     /// Starts the executor.
+    ///
+    /// # Panics
+    ///
+    /// If a worker or the sysmon thread cannot be started (the system is
+    /// out of threads or memory).
     pub fn build(self) -> crate::Executor {
         crate::Executor::start(self.resolve())
     }

@@ -77,7 +77,9 @@ impl SpawnOptions {
         self
     }
 
-    /// The fiber's priority.
+    /// The fiber's priority. The executor schedules by three classes, not
+    /// by every level: high (192 and up), normal, and low (below 64); a
+    /// worker always takes work of a higher class first, FIFO within one.
     pub fn priority(mut self, p: Priority) -> SpawnOptions {
         self.priority = p;
         self
@@ -96,6 +98,11 @@ impl Default for Executor {
 
 impl Executor {
     /// An executor with the default settings (see [`Builder`]).
+    ///
+    /// # Panics
+    ///
+    /// If a worker or the sysmon thread cannot be started (the system is
+    /// out of threads or memory).
     pub fn new() -> Executor {
         Builder::default().build()
     }
@@ -158,6 +165,12 @@ impl Executor {
     /// Structured concurrency: every fiber spawned on the scope is joined
     /// before `scope` returns, so they may borrow from the caller. See
     /// [`Scope`](crate::Scope).
+    ///
+    /// # Panics
+    ///
+    /// If `f` panics (after the scoped fibers are done), or if a scoped
+    /// fiber panicked or was cancelled and nobody joined its handle, as
+    /// `std::thread::scope` does.
     pub fn scope<'env, F, R>(&self, f: F) -> R
     where
         F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
@@ -197,6 +210,10 @@ impl Handle {
     /// });
     /// assert_eq!(total.unwrap(), 60);
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// As [`Executor::scope`].
     pub fn scope<'env, F, R>(&self, f: F) -> R
     where
         F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
@@ -208,7 +225,10 @@ impl Handle {
     ///
     /// Never blocks and never fails: the fiber and its stack are created
     /// when a worker starts it, so spawns beyond the number of stacks the
-    /// system can map queue instead of failing.
+    /// system can map queue instead of failing. Once the [`Executor`] has
+    /// been dropped, a spawn through a handle that outlived it never runs:
+    /// its [`join`](JoinHandle::join) fails at once with
+    /// [`JoinError::Cancelled`].
     pub fn spawn<F, T>(&self, f: F) -> JoinHandle<T>
     where
         F: FnOnce() -> T + Send + 'static,
@@ -268,10 +288,14 @@ impl Handle {
         let sum = |f: fn(&crate::shared::WorkerCounters) -> &std::sync::atomic::AtomicU64| -> u64 {
             self.shared.workers.iter().map(|w| f(&w.hot.counters).load(Ordering::Relaxed)).sum()
         };
+        // Tasks completed outside the workers: unstarted jobs cancelled at
+        // shutdown, and fibers woken into a closed inbox (all cancelled).
+        let outside = c.completed_outside.load(Ordering::Relaxed)
+            + self.shared.workers.iter().map(|w| w.inbox.orphans.load(Ordering::Relaxed)).sum::<u64>();
         ExecutorStats {
             spawned: c.spawned.load(Ordering::Relaxed),
-            completed: sum(|w| &w.completed) + c.completed_outside.load(Ordering::Relaxed),
-            cancelled: sum(|w| &w.cancelled) + c.completed_outside.load(Ordering::Relaxed),
+            completed: sum(|w| &w.completed) + outside,
+            cancelled: sum(|w| &w.cancelled) + outside,
             steals: sum(|w| &w.steals),
             inbox_handoffs: self
                 .shared
@@ -489,19 +513,29 @@ impl<T: Send> JoinHandle<T> {
             return Ok(v);
         }
         Err(task.error.lock().take().map_or_else(
-            || JoinError::Deadlock { report: "the fiber completed without a value or an error".into() },
+            || JoinError::Deadlock {
+                report: "the fiber completed without a value or an error (a bug in spindle-executor: please \
+                         report it)"
+                    .into(),
+            },
             |e| *e,
         ))
     }
 
     /// Asks the fiber to stop: a job not started yet never runs (its
     /// closure is dropped); a started fiber unwinds (destructors run) at its
-    /// next executor suspension point (`yield_now`, `sleep`,
+    /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
     /// `yield_timeout`, `join`, or `yield_if_needed` when it yields), and
-    /// [`join`](JoinHandle::join) returns [`JoinError::Cancelled`]. A fiber
-    /// asleep in `sleep` or `yield_timeout` is woken at once; one asleep on
-    /// a `spindle-sync` primitive first gets what it waits for, then unwinds
-    /// at its next executor suspension point.
+    /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
+    /// fiber asleep in `sleep` or `yield_timeout` is woken at once; one
+    /// asleep on a `spindle-sync` primitive, or blocked in `join` on
+    /// another fiber, first gets what it waits for, then unwinds at its next
+    /// executor suspension point.
+    ///
+    /// A request, not a guarantee: a fiber that has already finished, or
+    /// finishes without reaching a suspension point, keeps its result, and
+    /// a fiber that catches the unwind (`catch_unwind`) may go on and
+    /// return a value.
     pub fn cancel(&self) {
         self.task.cancelled.store(true, Ordering::Release);
         self.wake();

@@ -76,18 +76,36 @@ pub fn yield_if_needed() {
 }
 
 /// Puts the calling fiber to sleep for `d` (a thread sleeps). Timers have
-/// the resolution of the sysmon interval (250 µs by default).
+/// the resolution of the sysmon interval (250 µs by default); a `d` too
+/// large for a deadline (`Duration::MAX`) sleeps until cancelled. A
+/// cancelled fiber unwinds here.
 #[track_caller]
 pub fn sleep(d: Duration) {
-    sleep_until(Instant::now() + d)
+    if timed_wait(deadline_after(d), &SLEEPING).is_none() {
+        std::thread::sleep(d);
+    }
+}
+
+/// `now + d`, or, for a `d` too large to add (`Duration::MAX`), a deadline
+/// so far ahead that it never comes.
+fn deadline_after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d).or_else(|| now.checked_add(Duration::from_secs(1 << 32))).unwrap_or(now)
 }
 
 /// Puts the calling fiber to sleep until `deadline` (a thread sleeps); with
-/// a deadline already past, the fiber sleeps until sysmon's next tick. Fibers whose deadlines have
-/// passed are woken in deadline order, even when one sysmon tick finds
-/// several (test `overdue_timers_fire_in_deadline_order`).
+/// a deadline already past, the fiber sleeps until sysmon's next tick.
+/// Fibers whose deadlines have passed are woken in deadline order, even
+/// when one sysmon tick finds several (test
+/// `overdue_timers_fire_in_deadline_order`). A cancelled fiber unwinds
+/// here.
 ///
 /// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
 /// use std::time::{Duration, Instant};
 /// use spindle_executor::{sleep_until, Executor};
 ///
@@ -105,10 +123,11 @@ pub fn sleep_until(deadline: Instant) {
 
 /// Sleeps until woken by [`JoinHandle::wake`] or until `d` passes
 /// (Tarantool's `fiber_yield_timeout`). Returns `true` if the time ran out.
-/// On an ordinary thread, sleeps for `d` and returns `true`.
+/// On an ordinary thread, sleeps for `d` and returns `true`. A cancelled
+/// fiber unwinds here.
 #[track_caller]
 pub fn yield_timeout(d: Duration) -> bool {
-    match timed_wait(Instant::now() + d, &YIELD_TIMEOUT) {
+    match timed_wait(deadline_after(d), &YIELD_TIMEOUT) {
         Some(timed_out) => timed_out,
         None => {
             std::thread::sleep(d);

@@ -181,6 +181,9 @@ pub(crate) struct Inbox {
     pub(crate) parked: CachePadded<AtomicBool>,
     pub(crate) unparker: Unparker,
     pub(crate) handoffs: AtomicU64,
+    /// Tasks completed (cancelled) by `worker::orphaned` for fibers woken
+    /// after the inbox closed; counted in the stats as completed.
+    pub(crate) orphans: AtomicU64,
 }
 
 impl Inbox {
@@ -204,7 +207,9 @@ impl Schedule<()> for Inbox {
         let mut queues = self.queues.lock();
         if queues.closed {
             drop(queues);
-            crate::worker::orphaned(fiber);
+            if crate::worker::orphaned(fiber) {
+                self.orphans.fetch_add(1, Ordering::Release);
+            }
             return;
         }
         queues.q[class].push_back(fiber);
@@ -264,6 +269,7 @@ impl Shared {
                         parked: CachePadded::new(AtomicBool::new(false)),
                         unparker: parker.unparker().clone(),
                         handoffs: AtomicU64::new(0),
+                        orphans: AtomicU64::new(0),
                     });
                     let locals: [Worker<Job>; CLASSES] = std::array::from_fn(|_| Worker::new_fifo());
                     let stealers = std::array::from_fn(|c| locals[c].stealer());
@@ -402,7 +408,8 @@ impl Shared {
     /// Tasks spawned and not yet complete.
     pub(crate) fn live(&self) -> u64 {
         let done: u64 = self.workers.iter().map(|w| w.hot.counters.completed.load(Ordering::Acquire)).sum();
-        let outside = self.stats.completed_outside.load(Ordering::Acquire);
+        let outside = self.stats.completed_outside.load(Ordering::Acquire)
+            + self.workers.iter().map(|w| w.inbox.orphans.load(Ordering::Acquire)).sum::<u64>();
         self.stats.spawned.load(Ordering::Acquire).saturating_sub(done + outside)
     }
 }

@@ -91,8 +91,9 @@ impl fmt::Display for JoinError {
             }
             JoinError::Deadlock { report } => write!(
                 f,
-                "deadlock: the joined fiber can never finish (nothing runnable, no timer pending); \
-                 sleeping fibers:\n{report}"
+                "deadlock: the joined fiber can never finish (nothing runnable, no timer pending) \
+                 (if a thread outside the executor will wake it, raise Builder::deadlock_grace or \
+                 use OnDeadlock::Report); sleeping fibers:\n{report}"
             ),
         }
     }

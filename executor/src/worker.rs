@@ -422,14 +422,16 @@ impl Worker {
 /// thread will run it again: its join fails as cancelled, and it is dropped
 /// here: unwound if this is its worker's thread, else its stack is leaked
 /// and counted by `spindle_fiber::leaked_stacks` rather than unwound on the
-/// wrong thread.
-pub(crate) fn orphaned(fiber: Task) {
-    if fiber.sched_data() != 0 {
-        let task = take_task(&fiber);
-        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-        drop(fiber);
-        task.complete(Some(err));
+/// wrong thread. Returns whether it completed the fiber's task.
+pub(crate) fn orphaned(fiber: Task) -> bool {
+    if fiber.sched_data() == 0 {
+        return false;
     }
+    let task = take_task(&fiber);
+    let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+    drop(fiber);
+    task.complete(Some(err));
+    true
 }
 
 /// Takes the TaskRef out of a fiber's sched word.

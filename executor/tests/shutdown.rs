@@ -319,6 +319,7 @@ fn a_joiner_woken_during_the_final_drain_has_its_join_completed() {
         for round in 0..common::size(10, 50) {
             stage.set(format!("round {round}: 'b' joins 'a', which waits forever on a semaphore"));
             let exec = Executor::builder().workers(2).max_workers(2).build();
+            let handle = exec.handle();
             let never = Arc::new(Semaphore::new(0));
             let asleep = Flag::new();
             let a_asleep = asleep.clone();
@@ -343,6 +344,10 @@ fn a_joiner_woken_during_the_final_drain_has_its_join_completed() {
                 Ok(a_ok) => assert!(!a_ok, "'a' cannot have finished"),
                 Err(e) => assert!(e.is_cancelled(), "{e}"),
             }
+            // Every task is counted as completed, including one completed
+            // for a fiber woken into a closed inbox.
+            let stats = handle.stats();
+            assert_eq!((stats.spawned, stats.completed), (2, 2), "{stats:?}");
         }
     });
 }

@@ -212,6 +212,9 @@ fn a_stack_size_no_fiber_can_have_is_refused_by_the_builder() {
         assert!(msg.contains(&format!("{bytes} bytes cannot be mapped")), "{msg}");
         assert!(msg.contains(&format!("use {}", spindle_fiber::MIN_STACK_SIZE)), "says what to use: {msg}");
     }
+    let zero = std::panic::catch_unwind(|| Executor::builder().sysmon_interval(std::time::Duration::ZERO))
+        .expect_err("a zero sysmon interval panics");
+    assert!(zero.downcast_ref::<&str>().is_some_and(|m| m.contains("above zero")));
     // The bounds themselves are accepted.
     let _ = Executor::builder()
         .stack_size(spindle_fiber::MIN_STACK_SIZE)

@@ -239,3 +239,24 @@ fn a_stale_wake_from_another_thread_does_not_end_the_wait() {
         }
     });
 }
+
+#[test]
+fn a_sleep_too_long_for_a_deadline_lasts_until_cancelled() {
+    watchdog("a_sleep_too_long_for_a_deadline_lasts_until_cancelled", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let asleep = Flag::new();
+        let h = {
+            let asleep = asleep.clone();
+            exec.spawn(move || {
+                asleep.set();
+                // `now + Duration::MAX` overflows: no panic, a deadline that
+                // never comes.
+                sleep(Duration::MAX);
+            })
+        };
+        wait_for(&stage, "the fiber to go to sleep", || asleep.is_set());
+        assert!(!h.is_finished());
+        h.cancel();
+        assert!(h.join().unwrap_err().is_cancelled(), "cancelled, not panicked");
+    });
+}

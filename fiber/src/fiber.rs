@@ -134,6 +134,30 @@ impl fmt::Debug for Panic {
     }
 }
 
+/// `fiber 'name' (#id) panicked: message`, as the panic report names the
+/// fiber.
+///
+/// ```
+/// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+///
+/// let fiber = Fiber::<()>::new(FiberAttr::new().name("worker")).unwrap();
+/// fiber.set_function(Priority::NORMAL, || panic!("out of cheese")).unwrap();
+/// let RunOutcome::Panicked(p) = fiber.run().unwrap() else { unreachable!() };
+/// assert_eq!(p.to_string(), format!("fiber 'worker' ({}) panicked: out of cheese", fiber.id()));
+/// ```
+impl fmt::Display for Panic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.name {
+            Some(name) => write!(f, "fiber '{name}' ({})", self.fiber)?,
+            None => write!(f, "fiber {}", self.fiber)?,
+        }
+        match self.message() {
+            Some(m) => write!(f, " panicked: {m}"),
+            None => write!(f, " panicked with a payload that is not a string"),
+        }
+    }
+}
+
 /// Why [`Fiber::run`] came back.
 #[must_use = "a fiber's outcome says whether it can be run again"]
 #[derive(Debug)]

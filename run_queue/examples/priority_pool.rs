@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use spindle_fiber::{set_current_priority, yield_now, Fiber, FiberAttr, Priority};
+use spindle_fiber::{set_current_priority, yield_now, Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Msg, Semaphore};
 
@@ -123,15 +123,24 @@ fn main() {
     let start = Arc::new(Barrier::new(workers + 1));
     let counts: Vec<_> = (0..workers)
         .map(|w| {
-            let (queue, done, start) = (queue.clone(), done.clone(), start.clone());
+            let (queue, done, start, exited) = (queue.clone(), done.clone(), start.clone(), exited.clone());
             std::thread::spawn(move || {
                 WORKER.with(|c| c.set(w));
                 start.wait();
                 let mut ran = 0usize;
                 while !done.load(Ordering::Acquire) {
                     if let Some(fiber) = queue.pop_timeout(Duration::from_millis(1)) {
-                        if let Err(e) = queue.run_popped(fiber).outcome {
-                            panic!("worker {w}: {e}");
+                        match queue.run_popped(fiber).outcome {
+                            Err(e) => panic!("worker {w}: {e}"),
+                            // The panic comes back here; the worker goes on.
+                            // The fiber will not report its exit, so report
+                            // it for it (its task is missing from the log,
+                            // which the check below then says).
+                            Ok(RunOutcome::Panicked(p)) => {
+                                eprintln!("worker {w}: {p}");
+                                exited.release(1);
+                            }
+                            Ok(_) => {}
                         }
                         ran += 1;
                     }

@@ -248,7 +248,15 @@ impl<T> fmt::Display for PushError<T> {
     }
 }
 
-impl<T> std::error::Error for PushError<T> {}
+impl<T> std::error::Error for PushError<T> {
+    /// The fiber's own error, for [`NotReady`](PushError::NotReady).
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PushError::NotReady(_, e) => Some(e),
+            PushError::Full(_) => None,
+        }
+    }
+}
 
 /// A fiber taken from the queue and run by [`RunQueue::run_next`].
 #[derive(Debug)]
@@ -297,8 +305,13 @@ impl<T: Send + 'static> RunQueue<T> {
 
     /// Pushes a runnable fiber; it is popped by priority, FIFO among equals.
     ///
-    /// A full queue or a fiber that is not runnable hands the fiber back in
-    /// the error: nothing is lost.
+    /// # Errors
+    ///
+    /// The fiber comes back in the error, untouched: nothing is lost.
+    /// [`PushError::Full`] if the queue holds [`capacity`](RunQueue::capacity)
+    /// fibers; [`PushError::NotReady`] (with the fiber's own error) if it is
+    /// not runnable: running, already queued, asleep, finished, or without a
+    /// function.
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
         let mut synced = self.shared.synced.lock();
         if synced.len() >= self.shared.capacity {
