@@ -103,7 +103,10 @@ impl Builder {
         self
     }
 
-    /// Usable stack size of spawned fibers (default 128 KiB).
+    /// Usable stack size of spawned fibers (default 128 KiB). Executor
+    /// fibers unwind on a panic and on cancellation, which needs about
+    /// 8 KiB of stack (32 KiB with `RUST_BACKTRACE` set): smaller stacks
+    /// risk a stack-overflow abort then.
     ///
     /// # Panics
     ///

@@ -493,7 +493,9 @@ impl<T: Send> JoinHandle<T> {
     pub fn join(self) -> Result<T, JoinError> {
         let task = &self.task;
         if !task.finished.load(Ordering::Acquire) {
-            if spindle_fiber::in_fiber() {
+            // A fiber that may not sleep (its stack is being unwound after
+            // it was dropped) waits as a thread does.
+            if spindle_fiber::may_sleep() {
                 crate::ops::check_cancel();
                 task.done.acquire();
                 crate::ops::check_cancel();
@@ -527,7 +529,7 @@ impl<T: Send> JoinHandle<T> {
     /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
     /// `yield_timeout`, `join`, or `yield_if_needed` when it yields), and
     /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
-    /// fiber asleep in `sleep` or `yield_timeout` is woken at once; one
+    /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once; one
     /// asleep on a `spindle-sync` primitive, or blocked in `join` on
     /// another fiber, first gets what it waits for, then unwinds at its next
     /// executor suspension point.
@@ -541,8 +543,9 @@ impl<T: Send> JoinHandle<T> {
         self.wake();
     }
 
-    /// Ends a [`sleep`](crate::sleep) or [`yield_timeout`](crate::yield_timeout)
-    /// of the fiber early (Tarantool's `fiber_wakeup`). No effect otherwise.
+    /// Ends a [`sleep`](crate::sleep), [`sleep_until`](crate::sleep_until)
+    /// or [`yield_timeout`](crate::yield_timeout) of the fiber early
+    /// (Tarantool's `fiber_wakeup`). No effect otherwise.
     pub fn wake(&self) {
         let waiter = self.task.sleep.lock().waiter.take();
         if let Some(w) = waiter {

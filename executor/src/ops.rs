@@ -77,8 +77,10 @@ pub fn yield_if_needed() {
 
 /// Puts the calling fiber to sleep for `d` (a thread sleeps). Timers have
 /// the resolution of the sysmon interval (250 µs by default); a `d` too
-/// large for a deadline (`Duration::MAX`) sleeps until cancelled. A
-/// cancelled fiber unwinds here.
+/// large for a deadline (`Duration::MAX`) sleeps until woken
+/// ([`JoinHandle::wake`](crate::JoinHandle::wake)), cancelled or shut
+/// down, and while it sleeps its timer keeps deadlock detection off, as
+/// any pending timer does. A cancelled fiber unwinds here.
 #[track_caller]
 pub fn sleep(d: Duration) {
     if timed_wait(deadline_after(d), &SLEEPING).is_none() {

@@ -207,9 +207,7 @@ impl Schedule<()> for Inbox {
         let mut queues = self.queues.lock();
         if queues.closed {
             drop(queues);
-            if crate::worker::orphaned(fiber) {
-                self.orphans.fetch_add(1, Ordering::Release);
-            }
+            crate::worker::orphaned(fiber, &self.orphans);
             return;
         }
         queues.q[class].push_back(fiber);

@@ -9,7 +9,7 @@
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_deque::Worker as Deque;
@@ -422,16 +422,17 @@ impl Worker {
 /// thread will run it again: its join fails as cancelled, and it is dropped
 /// here: unwound if this is its worker's thread, else its stack is leaked
 /// and counted by `spindle_fiber::leaked_stacks` rather than unwound on the
-/// wrong thread. Returns whether it completed the fiber's task.
-pub(crate) fn orphaned(fiber: Task) -> bool {
+/// wrong thread. A task it completes is counted in `orphans` first, so a
+/// joiner it wakes reads stats that include it.
+pub(crate) fn orphaned(fiber: Task, orphans: &AtomicU64) {
     if fiber.sched_data() == 0 {
-        return false;
+        return;
     }
     let task = take_task(&fiber);
     let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
     drop(fiber);
+    orphans.fetch_add(1, Ordering::Release);
     task.complete(Some(err));
-    true
 }
 
 /// Takes the TaskRef out of a fiber's sched word.

@@ -248,15 +248,10 @@ impl<T> fmt::Display for PushError<T> {
     }
 }
 
-impl<T> std::error::Error for PushError<T> {
-    /// The fiber's own error, for [`NotReady`](PushError::NotReady).
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            PushError::NotReady(_, e) => Some(e),
-            PushError::Full(_) => None,
-        }
-    }
-}
+/// The message of [`NotReady`](PushError::NotReady) includes the fiber's
+/// own error, so `source()` is `None` (a reporter that walks the chain
+/// would print it twice).
+impl<T> std::error::Error for PushError<T> {}
 
 /// A fiber taken from the queue and run by [`RunQueue::run_next`].
 #[derive(Debug)]

@@ -130,8 +130,11 @@ impl Synced {
 
 /// An unbounded FIFO of caller-owned messages, identified by their headers.
 ///
-/// `push` never blocks and never allocates; `pop` waits (a fiber sleeps, a
-/// thread parks) until a message arrives. A message pushed while receivers
+/// `push` never waits for a receiver and never allocates (as with
+/// [`Semaphore::release`](crate::Semaphore), a woken receiver fiber with no
+/// other reference and no run queue is dropped inside `push`, and its
+/// destructors run there); `pop` waits (a fiber sleeps, a thread parks)
+/// until a message arrives. A message pushed while receivers
 /// wait is handed straight to the one that waited longest.
 pub struct RawChannel {
     synced: Mutex<Synced>,
@@ -354,7 +357,8 @@ impl<T> Channel<T> {
     }
 
     /// Queues a message, or hands it to the longest-waiting receiver. Never
-    /// blocks, never allocates.
+    /// waits for a receiver, never allocates (see [`RawChannel`] for the one
+    /// case where a woken receiver's destructors run here).
     pub fn push(&self, msg: Msg<T>) {
         // SAFETY: the header is the heap block of a Msg we now own; it stays
         // put until popped (converted back to a Msg) or dropped with the

@@ -21,10 +21,10 @@ struct Synced {
 /// park). Waiters are woken in FIFO order, fibers and threads alike.
 ///
 /// [`release`](Semaphore::release) may be called from any thread, fiber or
-/// not; it never blocks on a waiter and never allocates. (Waking a fiber
-/// whose only reference was its wait node, with no run queue to go to,
-/// drops it there, which unwinds its stack: its destructors then run
-/// inside `release`.)
+/// not; it never waits for a waiter and never allocates. (One exception:
+/// waking a fiber whose only reference was its wait node, with no run
+/// queue to go to, drops it there, which unwinds its stack: its
+/// destructors then run inside `release`, and block it if they wait.)
 ///
 /// A fiber that cannot sleep, because its stack is being unwound after
 /// its last handle was dropped, waits like a thread: its destructors may

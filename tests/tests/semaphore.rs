@@ -382,8 +382,10 @@ fn a_wait_in_a_dropped_fibers_destructor_blocks_the_dropping_thread() {
                     "unreachable"
                 });
                 assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
-                drop(f); // unwound here: the destructor blocks this thread
-                         // Code that catches the forced unwind, then waits.
+                // Unwound here: the destructor blocks this thread.
+                drop(f);
+
+                // Code that catches the forced unwind, then waits.
                 let f = fiber(Priority::NORMAL, move || {
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(spindle_fiber::yield_now));
                     sem.acquire();
