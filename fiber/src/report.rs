@@ -26,6 +26,12 @@ pub(crate) fn install_panic_hook() {
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            // Under loom the word is a loom thread-local, which a hook
+            // running outside a model (or while loom itself panics) must
+            // not touch.
+            #[cfg(loom)]
+            let h: *const crate::header::Header = std::ptr::null();
+            #[cfg(not(loom))]
             let h = crate::current::current_header();
             // SAFETY: a non-null current fiber is the one running on this thread.
             if let Some(h) = unsafe { h.as_ref() } {

@@ -43,7 +43,8 @@
 //!   spindle_portable_tls`, which CI uses to test this path on x86-64):
 //!   `thread_local!`, each access in a small
 //!   `#[inline(never)]` function that does not suspend, so the address is
-//!   computed on each call by the thread that makes it.
+//!   computed on each call by the thread that makes it. Under loom they
+//!   are loom's thread-locals, one pair per model thread.
 //!
 //! Either way the words are plain: no destructor, readable from a signal
 //! handler (the overflow report reads the current fiber).
@@ -207,9 +208,20 @@ mod imp {
 
     use crate::header::Header;
 
+    #[cfg(not(loom))]
     thread_local! {
         static CURRENT: Cell<*const Header> = const { Cell::new(ptr::null()) };
         static THREAD_ID: Cell<u64> = const { Cell::new(0) };
+    }
+
+    // Under loom, the model's own thread-locals: loom runs every model
+    // thread on one OS thread, and these give each its own words, so the
+    // models see each thread's current fiber and id (pinned fibers, the
+    // run queue's set-aside list).
+    #[cfg(loom)]
+    loom::thread_local! {
+        static CURRENT: Cell<*const Header> = Cell::new(ptr::null());
+        static THREAD_ID: Cell<u64> = Cell::new(0);
     }
 
     /// The fiber running on this thread, or null.

@@ -18,9 +18,10 @@
 //! priority heap is ordinary memory under the queue's lock.
 //!
 //! The fibers really run (on their own stacks, with stack switches that loom
-//! does not see). Loom runs all its threads on one OS thread, so the
-//! thread-local "current fiber" is shared between them: the models keep one
-//! fiber running at a time, which `Fiber::run` brackets correctly.
+//! does not see). Loom runs all its threads on one OS thread, but built with
+//! `--cfg loom` spindle-fiber keeps its current-fiber word and thread id in
+//! loom's thread-locals, one pair per model thread: a fiber pinned to one
+//! model thread is refused on the others (`set_aside_reaches_parked_owner`).
 
 #![cfg(loom)]
 
@@ -204,4 +205,65 @@ fn wake_through_home_reaches_parked_worker() {
         assert!(q.is_empty());
         assert_eq!(q.stats().wakes, u64::from(woke));
     });
+}
+
+/// A fiber pinned to the thread that first ran it (the safe
+/// `set_function`) sleeps; that thread then waits on the queue, and so does
+/// another popper. A third thread wakes the fiber, which goes back onto the
+/// queue with one notification: if the other popper takes it, it meets a
+/// fiber it may not run, sets it aside, and must wake the owner (the
+/// set-aside notifies every parked popper). The owner then gives the other
+/// popper a fiber it may run, so that it finishes. Loom gives each model
+/// thread its own thread id, so the pin is real here.
+#[test]
+fn set_aside_reaches_parked_owner() {
+    // Some explored interleaving must have the other popper set the fiber
+    // aside, or the model checked nothing new.
+    static SET_ASIDE_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let slot: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
+        let f = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+        {
+            let slot = slot.clone();
+            f.set_function(Priority::NORMAL, move || {
+                *slot.lock().unwrap() = Some(Waiter::current().unwrap());
+                sleep();
+            })
+            .unwrap();
+        }
+        q.try_push(f).unwrap();
+        // This (model) thread runs it first: it is pinned here now.
+        assert!(matches!(q.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        let other = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let f = q.pop_timeout(FOREVER).expect("the other popper gets the fiber meant for it");
+                assert!(
+                    matches!(q.run_popped(f).outcome, Ok(RunOutcome::Returned(()))),
+                    "the other popper ran only the fiber it may run"
+                );
+            })
+        };
+        let waker = thread::spawn(move || {
+            slot.lock().unwrap().take().expect("the fiber published its waiter").wake();
+        });
+        let f = q.pop_timeout(FOREVER).expect("the owner gets its woken fiber");
+        assert!(matches!(q.run_popped(f).outcome, Ok(RunOutcome::Returned(()))));
+        // A fiber anyone may run, for the other popper.
+        q.try_push(fiber(|| ())).unwrap();
+        waker.join().unwrap();
+        other.join().unwrap();
+        let s = q.stats();
+        assert_eq!(s.wakes, 1);
+        assert!(s.wrong_thread <= 1, "{s:?}");
+        if s.wrong_thread == 1 {
+            SET_ASIDE_SEEN.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        assert!(q.is_empty());
+    });
+    assert!(
+        SET_ASIDE_SEEN.load(std::sync::atomic::Ordering::Relaxed),
+        "no explored interleaving set the fiber aside"
+    );
 }
