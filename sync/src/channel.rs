@@ -63,14 +63,21 @@ impl MsgHeader {
     /// }
     ///
     /// let mut msg = MyMessage { hdr: MsgHeader::new(std::ptr::null_mut(), 0), payload: [0; 256] };
-    /// // SAFETY: `payload` directly follows `hdr` in the repr(C) struct.
-    /// unsafe { MsgHeader::init_trailing(&mut msg.hdr, 256) };
+    /// // A pointer to the whole message, so that the header's pointer may
+    /// // reach the payload too (`&mut msg.hdr` covers the header only).
+    /// let whole: *mut MyMessage = &mut msg;
+    /// // SAFETY: `payload` directly follows `hdr` in the repr(C) struct, and
+    /// // the header pointer is derived from `whole`.
+    /// unsafe { MsgHeader::init_trailing(std::ptr::addr_of_mut!((*whole).hdr), 256) };
     /// assert_eq!(msg.hdr.buf, msg.payload.as_mut_ptr());
     /// ```
     ///
     /// # Safety
-    /// `this` is valid for writes, and `len` bytes directly after the header
-    /// belong to the same allocation.
+    /// `this` is valid for writes of a header, and valid (same allocation,
+    /// and a pointer whose provenance covers them: derive it from a pointer
+    /// to the whole block, not from a reference to the header field) for
+    /// the `len` bytes directly after the header, which the header's `buf`
+    /// then points to.
     pub unsafe fn init_trailing(this: *mut MsgHeader, len: usize) {
         // SAFETY: the caller guarantees `this` is writable; the payload
         // address is one header past it, inside the same allocation.
@@ -100,8 +107,8 @@ impl Synced {
     /// A message handed to a receiver that was dropped (a fiber unwound)
     /// before it ran again: to the next receiver, or back to the front of
     /// the queue, where it was the oldest.
-    fn give_back(&mut self, handed: usize) -> Option<Wakeup> {
-        let msg = handed as *mut MsgHeader;
+    fn give_back(&mut self, handed: *mut ()) -> Option<Wakeup> {
+        let msg = handed.cast::<MsgHeader>();
         if let Some(wakeup) = self.receivers.pop_front(handed) {
             return Some(wakeup);
         }
@@ -136,6 +143,36 @@ impl Synced {
 /// destructors run there); `pop` waits (a fiber sleeps, a thread parks)
 /// until a message arrives. A message pushed while receivers
 /// wait is handed straight to the one that waited longest.
+///
+/// The caller owns every message: here, a header with its payload in one
+/// heap block, pushed as a raw pointer and taken back from the pointer
+/// that `pop` returns.
+///
+/// ```
+/// use std::ptr::NonNull;
+/// use spindle_sync::{MsgHeader, RawChannel};
+///
+/// #[repr(C)]
+/// struct Block {
+///     hdr: MsgHeader,
+///     payload: [u8; 5],
+/// }
+///
+/// let chan = RawChannel::new();
+/// let hdr = MsgHeader::new(std::ptr::null_mut(), 0);
+/// let block = Box::into_raw(Box::new(Block { hdr, payload: *b"hello" }));
+/// // SAFETY: the payload follows the header in the block `block` points to.
+/// unsafe { MsgHeader::init_trailing(std::ptr::addr_of_mut!((*block).hdr), 5) };
+/// // SAFETY: the block stays put and is not pushed elsewhere until popped.
+/// unsafe { chan.push(NonNull::new(block.cast::<MsgHeader>()).unwrap()) };
+///
+/// let hdr = chan.pop(); // here at once: a message is queued
+/// // SAFETY: `buf`/`len` describe the payload of the block we pushed.
+/// let payload = unsafe { std::slice::from_raw_parts(hdr.as_ref().buf, hdr.as_ref().len) };
+/// assert_eq!(payload, b"hello");
+/// // SAFETY: the header is the first field of the Box'd block: ours again.
+/// drop(unsafe { Box::from_raw(hdr.as_ptr().cast::<Block>()) });
+/// ```
 pub struct RawChannel {
     synced: Mutex<Synced>,
 }
@@ -161,7 +198,7 @@ impl RawChannel {
     /// describes may be accessed from whichever thread pops it (it is Send).
     pub unsafe fn push(&self, msg: NonNull<MsgHeader>) {
         let mut synced = self.synced.lock();
-        if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr() as usize) {
+        if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
             drop(synced);
             wakeup.wake();
             return;
@@ -186,7 +223,7 @@ impl RawChannel {
             return m;
         }
         let handed = wait(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON);
-        NonNull::new(handed as *mut MsgHeader).expect("a receiver is always handed a message")
+        NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message")
     }
 
     /// Takes the oldest message if there is one.
@@ -406,9 +443,11 @@ impl<T> Default for Channel<T> {
 
 impl<T> fmt::Debug for Channel<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // One look under the lock: the two counts of the same moment.
+        let s = self.raw.synced.lock();
         f.debug_struct("Channel")
-            .field("messages", &self.raw.len())
-            .field("receivers", &self.raw.receivers())
+            .field("messages", &s.messages)
+            .field("receivers", &s.receivers.len())
             .finish()
     }
 }

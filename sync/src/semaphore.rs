@@ -1,6 +1,7 @@
 //! A counting semaphore for fibers and threads.
 
 use std::fmt;
+use std::ptr;
 
 use parking_lot::Mutex;
 use spindle_fiber::{Priority, WaitReason};
@@ -100,7 +101,7 @@ impl Semaphore {
             // A token handed to a fiber that was dropped before it ran
             // again: to the next waiter, or back to the count.
             |s, _| {
-                s.waiters.pop_front(0).or_else(|| {
+                s.waiters.pop_front(ptr::null_mut()).or_else(|| {
                     s.tokens += 1;
                     None
                 })
@@ -131,7 +132,7 @@ impl Semaphore {
         let mut left = n;
         while left > 0 {
             let mut synced = self.synced.lock();
-            match synced.waiters.pop_front(0) {
+            match synced.waiters.pop_front(ptr::null_mut()) {
                 Some(wakeup) => {
                     drop(synced);
                     wakeup.wake();

@@ -62,7 +62,9 @@ pub(crate) struct WaitNode {
     /// Taken by the waker under the lock.
     sleeper: UnsafeCell<Option<Sleeper>>,
     /// Written by the waker under the lock, read by the sleeper after `done`.
-    value: Cell<usize>,
+    /// A pointer, not an address: a channel hands over a message and its
+    /// provenance (a semaphore hands null).
+    value: Cell<*mut ()>,
     /// Set by the waker (Release) as its last touch of the node.
     done: AtomicBool,
     /// Priority to wake a fiber at, if the sleeper asked for one.
@@ -85,7 +87,7 @@ impl WaitNode {
             next: Cell::new(ptr::null()),
             prev: Cell::new(ptr::null()),
             sleeper: UnsafeCell::new(Some(sleeper)),
-            value: Cell::new(0),
+            value: Cell::new(ptr::null_mut()),
             done: AtomicBool::new(false),
             wake_priority,
             _pinned: PhantomPinned,
@@ -137,7 +139,7 @@ impl WaitList {
     /// Waker step 1: unlinks the head, hands it `value` and returns the
     /// wakeup to perform once the lock is released.
     #[must_use]
-    pub(crate) fn pop_front(&mut self, value: usize) -> Option<Wakeup> {
+    pub(crate) fn pop_front(&mut self, value: *mut ()) -> Option<Wakeup> {
         if self.head.is_null() {
             return None;
         }
@@ -195,13 +197,13 @@ impl Wakeup {
 /// sleep. Should one ever (a bug), unwinding past `wait` would free a node
 /// that is still on the list, so the process aborts instead, as Rust does
 /// for a panic during a panic.
-struct Linked<'a, S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> {
+struct Linked<'a, S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> {
     node: &'a WaitNode,
     mutex: &'a Mutex<S>,
     give_back: Option<G>,
 }
 
-impl<S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
+impl<S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
     fn drop(&mut self) {
         if !self.node.done.load(Ordering::Acquire) {
             eprintln!(
@@ -230,10 +232,10 @@ impl<S, G: FnOnce(&mut S, usize) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
 pub(crate) fn wait<S>(
     mut guard: MutexGuard<'_, S>,
     list: impl FnOnce(&mut S) -> &mut WaitList,
-    give_back: impl FnOnce(&mut S, usize) -> Option<Wakeup>,
+    give_back: impl FnOnce(&mut S, *mut ()) -> Option<Wakeup>,
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
-) -> usize {
+) -> *mut () {
     let node = pin!(WaitNode::for_current(wake_priority));
     let is_fiber = matches!(
         // SAFETY: the node is not linked yet; only we can see it.
