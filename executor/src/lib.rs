@@ -44,6 +44,8 @@
 //! assert_send_sync::<spindle_executor::Executor>();
 //! assert_send_sync::<spindle_executor::Handle>();
 //! assert_send::<spindle_executor::JoinHandle<String>>();
+//! // Errors cross threads and box into `dyn Error + Send + Sync`.
+//! assert_send_sync::<spindle_executor::JoinError>();
 //! ```
 //!
 //! ```compile_fail,E0277
@@ -87,4 +89,9 @@ pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
 pub use ops::{sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
 pub use scope::{Scope, ScopedJoinHandle};
 pub use spindle_fiber::Priority;
-pub use task::JoinError;
+pub use task::{JoinError, PanicPayload};
+
+/// The fiber-aware channels and semaphores (`spindle-sync`), which work
+/// unchanged inside executor fibers: a fiber that waits sleeps and frees
+/// its worker.
+pub use spindle_sync as sync;

@@ -17,7 +17,72 @@ use spindle_sync::Semaphore;
 
 use crate::scope::Finish;
 
+/// A fiber's panic payload, as [`JoinError::Panicked`] carries it.
+///
+/// `Sync` although the payload (a `Box<dyn Any + Send>`) is not: a shared
+/// reference only gives out the message and values of `Sync` types, and
+/// the payload itself goes out by value. So `JoinError` is `Send + Sync`
+/// and works with `?` into `Box<dyn Error + Send + Sync>` or `anyhow`.
+pub struct PanicPayload(Box<dyn Any + Send>);
+
+// SAFETY: through `&PanicPayload` the boxed value is only asked its type
+// (`Any::type_id`, which reads no data) and lent out as `&T` for `T: Sync`
+// (or as the `&str` of a `&'static str` or `String` payload); every other
+// access takes the payload by value. Sharing the wrapper between threads
+// therefore never shares a `!Sync` value.
+unsafe impl Sync for PanicPayload {}
+
+impl PanicPayload {
+    pub(crate) fn new(payload: Box<dyn Any + Send>) -> PanicPayload {
+        PanicPayload(payload)
+    }
+
+    /// The panic message, if the payload is a string (`panic!` with a
+    /// message gives one).
+    pub fn message(&self) -> Option<&str> {
+        self.downcast_ref::<&'static str>()
+            .copied()
+            .or_else(|| self.downcast_ref::<String>().map(String::as_str))
+    }
+
+    /// The payload as a `T`, if it is one.
+    pub fn downcast_ref<T: Any + Sync>(&self) -> Option<&T> {
+        self.0.downcast_ref::<T>()
+    }
+
+    /// Whether the payload is a `T`.
+    pub fn is<T: Any>(&self) -> bool {
+        self.0.is::<T>()
+    }
+
+    /// The payload itself, e.g. for [`std::panic::resume_unwind`].
+    pub fn into_inner(self) -> Box<dyn Any + Send> {
+        self.0
+    }
+}
+
+impl fmt::Debug for PanicPayload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PanicPayload").field(&self.message()).finish()
+    }
+}
+
 /// Why [`JoinHandle::join`](crate::JoinHandle::join) did not return the fiber's value.
+///
+/// `Send + Sync + 'static`, so `?` converts it into the usual boxed errors:
+///
+/// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
+/// fn answer() -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+///     let exec = spindle_executor::Executor::builder().workers(1).build();
+///     Ok(exec.block_on(|| 42)?)
+/// }
+/// assert_eq!(answer().unwrap(), 42);
+/// ```
 pub enum JoinError {
     /// The fiber panicked.
     Panicked {
@@ -26,7 +91,7 @@ pub enum JoinError {
         /// Its name, if any.
         name: Option<Arc<str>>,
         /// The panic payload.
-        payload: Box<dyn Any + Send>,
+        payload: PanicPayload,
     },
     /// The fiber was cancelled ([`JoinHandle::cancel`](crate::JoinHandle::cancel) or executor shutdown)
     /// and unwound.
@@ -48,10 +113,7 @@ impl JoinError {
     /// The panic message, if this is a panic with a string payload.
     pub fn panic_message(&self) -> Option<&str> {
         match self {
-            JoinError::Panicked { payload, .. } => payload
-                .downcast_ref::<&'static str>()
-                .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str)),
+            JoinError::Panicked { payload, .. } => payload.message(),
             _ => None,
         }
     }

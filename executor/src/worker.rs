@@ -17,7 +17,7 @@ use crossbeam_utils::sync::Parker;
 use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
 
 use crate::shared::{class_of, retry, steal_one, Job, Shared, Task, WorkerCounters, WorkerShared, CLASSES};
-use crate::task::{Cancelled, JoinError, TaskRef};
+use crate::task::{Cancelled, JoinError, PanicPayload, TaskRef};
 
 /// Rounds of polling before a worker parks (each round scans every queue).
 const SEARCH_ROUNDS: u32 = 64;
@@ -222,7 +222,11 @@ impl Worker {
                 let err = if p.payload.is::<Cancelled>() {
                     JoinError::Cancelled { fiber: Some(p.fiber), name: p.name }
                 } else {
-                    JoinError::Panicked { fiber: p.fiber, name: p.name, payload: p.payload }
+                    JoinError::Panicked {
+                        fiber: p.fiber,
+                        name: p.name,
+                        payload: PanicPayload::new(p.payload),
+                    }
                 };
                 self.finish(fiber, Some(err));
             }

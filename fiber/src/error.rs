@@ -187,14 +187,10 @@ impl fmt::Display for FiberError {
     }
 }
 
-impl std::error::Error for FiberError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            FiberError::Stack(e) => Some(e),
-            _ => None,
-        }
-    }
-}
+/// `Stack` is transparent: its message is the stack error's, so its
+/// `source()` is the stack error's source (none), not the stack error
+/// itself, which a reporter walking the chain would print twice.
+impl std::error::Error for FiberError {}
 
 impl From<StackError> for FiberError {
     fn from(e: StackError) -> FiberError {

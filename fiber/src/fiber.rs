@@ -144,6 +144,7 @@ impl fmt::Debug for Panic {
 /// fiber.set_function(Priority::NORMAL, || panic!("out of cheese")).unwrap();
 /// let RunOutcome::Panicked(p) = fiber.run().unwrap() else { unreachable!() };
 /// assert_eq!(p.to_string(), format!("fiber 'worker' ({}) panicked: out of cheese", fiber.id()));
+/// let _as_error: Box<dyn std::error::Error> = p; // and an error, for `?`
 /// ```
 impl fmt::Display for Panic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -157,6 +158,9 @@ impl fmt::Display for Panic {
         }
     }
 }
+
+/// A panic is an error: `?` carries it into a `Box<dyn Error>`.
+impl std::error::Error for Panic {}
 
 /// Why [`Fiber::run`] came back.
 #[must_use = "a fiber's outcome says whether it can be run again"]
@@ -193,7 +197,9 @@ impl<T> RunOutcome<T> {
         }
     }
 
-    /// Whether the fiber can be run again without a new function.
+    /// Whether the function is suspended part-way rather than over: after
+    /// a yield, `run` continues it; after a sleep, a wake makes it
+    /// runnable again. Either way it needs no new function.
     pub fn is_suspended(&self) -> bool {
         matches!(self, RunOutcome::Yielded(_) | RunOutcome::Slept)
     }
@@ -444,6 +450,20 @@ impl<T: Send + 'static> Fiber<T> {
     }
 
     fn install<F>(&self, priority: Priority, f: F, migratable: bool) -> Result<(), FiberError>
+    where
+        F: FnOnce() -> T + Send + 'static,
+    {
+        // corosensei moves the function onto the fiber's stack and refuses
+        // one over 1 KiB (a panic, with the state already claimed). A large
+        // closure goes behind a Box: one allocation, for large captures
+        // only (the size is known at compile time, so the branch is too).
+        if std::mem::size_of::<F>() > MAX_INLINE_FUNCTION {
+            return self.install_sized(priority, Box::new(f), migratable);
+        }
+        self.install_sized(priority, f, migratable)
+    }
+
+    fn install_sized<F>(&self, priority: Priority, f: F, migratable: bool) -> Result<(), FiberError>
     where
         F: FnOnce() -> T + Send + 'static,
     {
@@ -987,6 +1007,11 @@ impl<T> Drop for Fiber<T> {
 /// `Slot::pin` of a function that has not run yet: never a thread id, and
 /// not the 0 that a thread without an id reads either.
 const NO_PIN: u64 = u64::MAX;
+
+/// Largest function (closure with its captures) kept on the fiber's stack
+/// itself; larger ones are boxed (corosensei's limit is 1 KiB, and a
+/// minimum-size stack is 4 KiB).
+const MAX_INLINE_FUNCTION: usize = 256;
 
 /// Drops one reference. If it was the last one and the fiber is suspended
 /// mid-function, the count is brought back to one while the stack is

@@ -97,6 +97,13 @@ impl Default for Priority {
     }
 }
 
+/// `Priority(n)`: `Priority::from(200) > Priority::NORMAL`.
+impl From<u8> for Priority {
+    fn from(level: u8) -> Priority {
+        Priority(level)
+    }
+}
+
 /// Per-fiber counters, written only by whoever runs the fiber (relaxed
 /// load + store, no read-modify-write), readable from anywhere.
 ///

@@ -33,16 +33,19 @@ const SIGNALS: [libc::c_int; 2] = [libc::SIGSEGV, libc::SIGBUS];
 pub(crate) fn install() {
     INSTALL.call_once(|| {
         for (i, &sig) in SIGNALS.iter().enumerate() {
-            // SAFETY: plain sigaction calls; PREVIOUS is written here once,
-            // before the handler that reads it can run (it is installed by
-            // the same call that fills the slot).
+            // SAFETY: plain sigaction calls. PREVIOUS is written here once,
+            // before the handler that reads it is installed: the current
+            // action is read first, stored, and only then replaced (reading
+            // it through the installing call would let a fault on another
+            // thread run the handler before the slot is filled).
             unsafe {
+                let prev = ptr::addr_of_mut!(PREVIOUS[i]) as *mut libc::sigaction;
+                libc::sigaction(sig, ptr::null(), prev);
                 let mut action: libc::sigaction = std::mem::zeroed();
                 action.sa_sigaction = handler as *const () as usize;
                 action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
                 libc::sigemptyset(&mut action.sa_mask);
-                let prev = ptr::addr_of_mut!(PREVIOUS[i]) as *mut libc::sigaction;
-                libc::sigaction(sig, &action, prev);
+                libc::sigaction(sig, &action, ptr::null_mut());
             }
         }
     });
@@ -86,7 +89,13 @@ fn report(h: &Header) -> ! {
     buf.push(b"\nfiber ");
     if let Some(name) = &h.name {
         buf.push(b"'");
-        buf.push(name.as_bytes());
+        // At most 256 bytes of the name, so that the rest of the report
+        // always fits (a cut may split a UTF-8 sequence: it is only read).
+        let name = name.as_bytes();
+        buf.push(&name[..name.len().min(256)]);
+        if name.len() > 256 {
+            buf.push(b"...");
+        }
         buf.push(b"' ");
     }
     buf.push(b"(#");

@@ -23,6 +23,11 @@ pub fn leaked_stacks() -> u64 {
 /// the hook that was installed before.
 pub(crate) fn install_panic_hook() {
     static ONCE: Once = Once::new();
+    // take_hook/set_hook panic on a thread that is panicking (a fiber made
+    // in a destructor during an unwind): leave the hook for a later call.
+    if std::thread::panicking() {
+        return;
+    }
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
@@ -35,7 +40,10 @@ pub(crate) fn install_panic_hook() {
             let h = crate::current::current_header();
             // SAFETY: a non-null current fiber is the one running on this thread.
             if let Some(h) = unsafe { h.as_ref() } {
-                eprintln!("panic in fiber {}:", h.display_name());
+                // Not eprintln!: a failed write (a closed stderr pipe) must
+                // not panic inside the hook, which would abort the process.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "panic in fiber {}:", h.display_name());
             }
             previous(info);
         }));

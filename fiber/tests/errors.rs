@@ -28,9 +28,17 @@ fn a_zero_stack_size_is_too_small() {
         msg.contains(&format!("at least {minimum} bytes")),
         "message says what to do: {msg}"
     );
-    // The stack error is the source, for error reporters that walk the chain.
-    let source = err.source().expect("FiberError::Stack has a source");
-    assert!(source.downcast_ref::<StackError>().is_some());
+    // Transparent: the message is the stack error's, and no source repeats
+    // it for error reporters that walk the chain.
+    assert_eq!(
+        msg,
+        StackError::TooSmall {
+            requested: 0,
+            minimum
+        }
+        .to_string()
+    );
+    assert!(err.source().is_none());
     // Errors are plain values: copied, compared, no allocation to drop
     // (so dropping a `run` result is free unless it holds a panic).
     let copy = err;

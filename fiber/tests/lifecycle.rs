@@ -370,3 +370,31 @@ fn run_mut_with_other_handles_alive_takes_the_shared_path() {
         assert!(matches!(empty.run_mut(), Err(FiberError::NoFunction(_))));
     });
 }
+
+/// A closure with large captures (more than the context switch copies onto
+/// the fiber's stack) is boxed: it runs, and the fiber stays reusable.
+/// Before, `set_function` panicked with the state claimed, and the fiber
+/// refused everything from then on.
+#[test]
+fn a_function_with_large_captures_runs() {
+    with_watchdog(30, "large_captures", || {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let big = [7u8; 4000];
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                yield_now();
+                big.iter().map(|&b| u64::from(b)).sum::<u64>()
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(28_000)));
+        // Reusable, with a small closure again.
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        // And the same on the smallest stack: the captures are not on it.
+        let small = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+        let big = [1u8; 8000];
+        small.set_function(Priority::NORMAL, move || big.len()).unwrap();
+        assert!(matches!(small.run().unwrap(), RunOutcome::Returned(8000)));
+    });
+}

@@ -1,9 +1,23 @@
 //! A thread-safe, bounded priority run queue of [`spindle_fiber`] fibers.
 //!
-//! The run queue is the seam that ties fibers, synchronisation primitives and
-//! your own worker threads together: a fiber pushed onto a [`RunQueue`]
-//! remembers it, and when a primitive from `spindle-sync` wakes the fiber it
-//! goes back onto that queue by itself.
+//! The run queue ties fibers, synchronisation primitives and your own
+//! worker threads together: a fiber pushed onto a [`RunQueue`] remembers it
+//! as its home (the queue implements spindle-fiber's `Schedule` trait, the
+//! seam between fibers and scheduling), and when a primitive from
+//! `spindle-sync` wakes the fiber it goes back onto that queue by itself.
+//!
+//! # Worker threads and pinned fibers
+//!
+//! A fiber given its function with the safe `set_function` is pinned to
+//! the first thread that runs it: a pop on any other thread passes over it
+//! (it is set aside for its own thread, counted in [`RunQueueStats`]'s
+//! `wrong_thread`). So a worker thread that has started fibers must keep
+//! popping until they have finished: a fiber pinned to a thread that left
+//! its loop stays in the queue, counted in `len()`, until the queue is
+//! dropped. Stop workers once the work is done (count finished fibers, as
+//! the `workers` example does), not on a timer. Fibers whose functions are
+//! safe to move (`set_function_migratable`, `unsafe`) may run on any
+//! worker.
 //!
 //! ```
 //! use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
@@ -30,7 +44,9 @@
 //! of a queued fiber through [`RunQueue::set_priority`] moves it at once;
 //! [`Fiber::set_priority`](spindle_fiber::Fiber::set_priority) takes effect
 //! at its next push.
-
+//!
+//! # Threads
+//!
 //! A `RunQueue<T>` is `Send + Sync` for `T: Send`: worker threads share it.
 //!
 //! ```

@@ -327,6 +327,13 @@ impl<T> Msg<T> {
     }
 }
 
+/// [`Msg::new`]: `chan.push(7.into())`.
+impl<T> From<T> for Msg<T> {
+    fn from(value: T) -> Msg<T> {
+        Msg::new(value)
+    }
+}
+
 impl<T> Deref for Msg<T> {
     type Target = T;
     fn deref(&self) -> &T {

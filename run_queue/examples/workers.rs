@@ -1,0 +1,113 @@
+//! Your own worker threads over a run queue, with the safe API only.
+//!
+//! ```text
+//! cargo run --release -p spindle-run-queue --example workers
+//! ```
+//!
+//! One producer fiber sends numbers down a channel; consumer fibers sum
+//! them, yielding now and then, and report their sums on a second channel
+//! that the main thread (an ordinary thread) reads. Every fiber is set up
+//! with the safe `set_function`, so it is pinned to the worker that first
+//! runs it: the workers keep popping until every fiber has finished, and
+//! only then stop (a worker that stopped earlier would strand the fibers
+//! pinned to it).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::{Channel, Msg};
+
+const WORKERS: usize = 2;
+const CONSUMERS: usize = 6;
+const NUMBERS: u64 = 10_000;
+
+fn main() {
+    let queue = RunQueue::new(CONSUMERS + 1);
+    let numbers = Arc::new(Channel::<Option<u64>>::new());
+    let sums = Arc::new(Channel::<u64>::new());
+
+    // The producer: every number, then one stop message per consumer.
+    let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
+    let tx = numbers.clone();
+    producer
+        .set_function(Priority::HIGHEST, move || {
+            for n in 1..=NUMBERS {
+                tx.push(Msg::new(Some(n)));
+                if n % 100 == 0 {
+                    yield_now(); // let the consumers catch up
+                }
+            }
+            for _ in 0..CONSUMERS {
+                tx.push(Msg::new(None));
+            }
+        })
+        .unwrap();
+    queue.try_push(producer).unwrap();
+
+    for i in 0..CONSUMERS {
+        let consumer = Fiber::new(FiberAttr::new().name(format!("consumer {i}"))).unwrap();
+        let (rx, out) = (numbers.clone(), sums.clone());
+        consumer
+            .set_function(Priority::NORMAL, move || {
+                let mut sum = 0;
+                // `pop` puts the fiber to sleep while the channel is empty;
+                // the producer's push wakes it back onto the queue.
+                while let Some(n) = rx.pop().into_inner() {
+                    sum += n;
+                }
+                out.push(Msg::new(sum));
+            })
+            .unwrap();
+        queue.try_push(consumer).unwrap();
+    }
+
+    let finished = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let (queue, finished) = (queue.clone(), finished.clone());
+            std::thread::spawn(move || {
+                let mut runs = 0u64;
+                // Until every fiber has finished, not until the queue looks
+                // empty: a sleeping fiber is in no queue, and may be pinned
+                // to this thread.
+                while finished.load(Ordering::Acquire) < CONSUMERS + 1 {
+                    let Some(fiber) = queue.pop_timeout(Duration::from_millis(10)) else { continue };
+                    runs += 1;
+                    match queue.run_popped(fiber).outcome {
+                        Ok(RunOutcome::Returned(())) => {
+                            finished.fetch_add(1, Ordering::Release);
+                        }
+                        Ok(RunOutcome::Panicked(p)) => {
+                            eprintln!("worker {w}: {p}");
+                            finished.fetch_add(1, Ordering::Release);
+                        }
+                        // Yielded: back in the queue; slept: a wake puts it back.
+                        Ok(_) => {}
+                        Err(e) => panic!("worker {w}: {e}"),
+                    }
+                }
+                runs
+            })
+        })
+        .collect();
+
+    // An ordinary thread waits on the same channel type: it parks.
+    let total: u64 = (0..CONSUMERS).map(|_| sums.pop().into_inner()).sum();
+    let runs: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+
+    let stats = queue.stats();
+    println!("{WORKERS} workers, {} fibers, {NUMBERS} numbers", CONSUMERS + 1);
+    for (w, r) in runs.iter().enumerate() {
+        println!("worker {w}: {r} fiber runs");
+    }
+    println!(
+        "queue: {} pushes, {} wakes, {} pops, {} set aside for their own thread",
+        stats.pushes, stats.wakes, stats.pops, stats.wrong_thread
+    );
+    assert_eq!(total, NUMBERS * (NUMBERS + 1) / 2, "every number was summed once");
+    assert!(queue.is_empty());
+    println!("ok: the sums add up to {total}");
+}
