@@ -65,18 +65,21 @@ impl FiberAttr {
     /// when `RUST_BACKTRACE` is set): a fiber that may panic, format or
     /// call deep library code wants more. Overflowing aborts the process
     /// with a report naming the fiber.
+    #[must_use = "FiberAttr is a builder: pass the returned value to Fiber::new"]
     pub fn stack_size(mut self, bytes: usize) -> FiberAttr {
         self.stack_size = bytes;
         self
     }
 
     /// A name shown in `Debug`, panic reports and the stack overflow report.
+    #[must_use = "FiberAttr is a builder: pass the returned value to Fiber::new"]
     pub fn name(mut self, name: impl Into<Arc<str>>) -> FiberAttr {
         self.name = Some(name.into());
         self
     }
 
     /// The pool the stack is taken from and returned to.
+    #[must_use = "FiberAttr is a builder: pass the returned value to Fiber::new"]
     pub fn pool(mut self, pool: &'static StackPool) -> FiberAttr {
         self.pool = pool;
         self
@@ -214,7 +217,12 @@ impl<T> RunOutcome<T> {
 pub trait Schedule<T>: Send + Sync + 'static {
     /// Takes a woken fiber, already in state [`FiberState::Queued`], and
     /// makes it runnable. Called from whatever thread woke the fiber: must
-    /// not block for long and must not drop the fiber on the floor.
+    /// not block for long, must not panic (the waker, often a `release` or
+    /// `push`, is not prepared for it, and the fiber would stay `Queued` in
+    /// no queue), and must not drop the fiber on the floor: a scheduler
+    /// that cannot take it (shut down) calls
+    /// [`Fiber::mark_dequeued`] and drops its reference (the last one
+    /// unwinds the fiber, as any last reference does).
     fn schedule(&self, fiber: Fiber<T>);
 }
 

@@ -19,6 +19,7 @@
 
 use std::mem::MaybeUninit;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
 
 use crate::current::current_header;
@@ -110,9 +111,31 @@ fn report(h: &Header) -> ! {
     }
 }
 
+/// The lowest guard page start and the highest guard page end of every
+/// fiber stack ever mapped (never narrowed). A fault outside goes straight
+/// on to the previous handler without the handler reading a thread-local
+/// (on the dynamic TLS path, a thread's first access may allocate, which a
+/// signal handler must not do).
+static GUARDS_LO: AtomicUsize = AtomicUsize::new(usize::MAX);
+static GUARDS_HI: AtomicUsize = AtomicUsize::new(0);
+
+/// Widens the range of guard pages the handler checks (called for each new
+/// stack).
+pub(crate) fn note_guard(lo: usize, hi: usize) {
+    GUARDS_LO.fetch_min(lo, Ordering::Relaxed);
+    GUARDS_HI.fetch_max(hi, Ordering::Relaxed);
+}
+
 extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
+    // A fault in a fiber's guard page happens on the thread running that
+    // fiber, after its stack was noted here (the thread that mapped it, or
+    // one that got it after a synchronising hand-over).
+    if addr < GUARDS_LO.load(Ordering::Relaxed) || addr >= GUARDS_HI.load(Ordering::Relaxed) {
+        chain(sig, info, ctx);
+        return;
+    }
     let h = current_header();
     // SAFETY: a non-null current fiber is the header of the fiber running on this
     // thread, kept alive by its runner; its fields read here are immutable.

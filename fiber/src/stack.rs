@@ -75,6 +75,8 @@ impl FiberStack {
             return Err(StackError::from_map_error(total, std::io::Error::last_os_error()));
         }
         let base = map.as_ptr() as usize + page + usable;
+        let guard = map.as_ptr() as usize;
+        crate::overflow::note_guard(guard, guard + page);
         Ok(FiberStack { map, usable, base })
     }
 
@@ -187,10 +189,16 @@ impl StackPool {
     pub fn global() -> &'static StackPool {
         static GLOBAL: OnceLock<StackPool> = OnceLock::new();
         GLOBAL.get_or_init(|| {
-            let cap = std::env::var("SPINDLE_STACK_POOL")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(DEFAULT_POOL_CAPACITY);
+            let cap = match std::env::var("SPINDLE_STACK_POOL") {
+                Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                    eprintln!(
+                        "spindle-fiber: SPINDLE_STACK_POOL={v:?} is not a number of stacks; \
+                         using the default, {DEFAULT_POOL_CAPACITY}"
+                    );
+                    DEFAULT_POOL_CAPACITY
+                }),
+                Err(_) => DEFAULT_POOL_CAPACITY,
+            };
             StackPool::new(cap)
         })
     }
