@@ -52,10 +52,47 @@ pub(crate) fn install() {
     });
 }
 
+/// An alternate signal stack this crate mapped for its thread: disabled
+/// and unmapped when the thread exits (a thread-local destructor), if it is
+/// still the thread's alternate stack then.
+struct OwnAltStack {
+    mem: *mut libc::c_void,
+    size: usize,
+}
+
+impl Drop for OwnAltStack {
+    fn drop(&mut self) {
+        // SAFETY: querying and disabling this thread's alternate stack,
+        // then unmapping our own mapping once nothing uses it. Destructors
+        // do not run on the alternate stack.
+        unsafe {
+            let mut cur: libc::stack_t = std::mem::zeroed();
+            if libc::sigaltstack(ptr::null(), &mut cur) != 0 || cur.ss_sp != self.mem {
+                // Replaced by someone else: it may still be in use; keep it.
+                return;
+            }
+            let off = libc::stack_t {
+                ss_sp: ptr::null_mut(),
+                ss_flags: libc::SS_DISABLE,
+                ss_size: 0,
+            };
+            if libc::sigaltstack(&off, ptr::null_mut()) == 0 {
+                libc::munmap(self.mem, self.size);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static OWN_ALTSTACK: std::cell::Cell<Option<OwnAltStack>> = const { std::cell::Cell::new(None) };
+}
+
 /// Makes sure the calling thread has an alternate signal stack, so the
 /// handler can run after a stack overflow. Threads started by Rust's std
-/// already have one; threads started elsewhere get one here (leaked with
-/// the thread: it is small and per thread).
+/// already have one; threads started elsewhere get one here, unmapped when
+/// the thread exits (so threads that come and go do not pile mappings up;
+/// a fiber overflow in a later thread-local destructor of that thread goes
+/// unreported, as on a thread without one).
 pub(crate) fn ensure_altstack() {
     // SAFETY: querying and setting the alternate stack of this thread.
     unsafe {
@@ -80,7 +117,13 @@ pub(crate) fn ensure_altstack() {
             ss_flags: 0,
             ss_size: size,
         };
-        libc::sigaltstack(&st, ptr::null_mut());
+        if libc::sigaltstack(&st, ptr::null_mut()) != 0 {
+            libc::munmap(mem, size);
+            return;
+        }
+        // Registered for unmapping at thread exit; a thread already tearing
+        // down its thread-locals keeps it (leaked with the thread).
+        let _ = OWN_ALTSTACK.try_with(|slot| slot.set(Some(OwnAltStack { mem, size })));
     }
 }
 

@@ -138,6 +138,69 @@ fn an_overflow_on_a_thread_without_an_alternate_signal_stack_is_reported() {
     assert_fiber_report(&out, "foreign-diver");
 }
 
+const ALTSTACK_CHILD: &str = "the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits";
+
+/// The alternate signal stack the library maps for a thread that had none
+/// is unmapped when that thread exits, so threads that come and go do not
+/// pile mappings up. In a child process, so that no other test maps
+/// something at the freed address in between.
+#[test]
+fn the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits() {
+    if is_child(ALTSTACK_CHILD) {
+        extern "C" fn start(_: *mut libc::c_void) -> *mut libc::c_void {
+            let fiber = Fiber::new(FiberAttr::new()).unwrap();
+            fiber.set_function(Priority::NORMAL, || 5).unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(5)));
+            // SAFETY: querying this thread's alternate signal stack.
+            let mut st: libc::stack_t = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { libc::sigaltstack(std::ptr::null(), &mut st) }, 0);
+            assert_eq!(
+                st.ss_flags & libc::SS_DISABLE,
+                0,
+                "the fiber library gave the thread one"
+            );
+            st.ss_sp
+        }
+        let mapped = |addr: usize| {
+            std::fs::read_to_string("/proc/self/maps")
+                .unwrap()
+                .lines()
+                .any(|l| {
+                    let range = l.split_whitespace().next().unwrap();
+                    let (lo, hi) = range.split_once('-').unwrap();
+                    let (lo, hi) = (
+                        usize::from_str_radix(lo, 16).unwrap(),
+                        usize::from_str_radix(hi, 16).unwrap(),
+                    );
+                    (lo..hi).contains(&addr)
+                })
+        };
+        // SAFETY: plain pthread calls with valid arguments; joined here.
+        let altstack = unsafe {
+            let mut thread: libc::pthread_t = std::mem::zeroed();
+            assert_eq!(
+                libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut()),
+                0
+            );
+            let mut ret: *mut libc::c_void = std::ptr::null_mut();
+            assert_eq!(libc::pthread_join(thread, &mut ret), 0);
+            ret as usize
+        };
+        assert_ne!(altstack, 0);
+        assert!(
+            !mapped(altstack),
+            "the thread's alternate stack is still mapped after it exited"
+        );
+        return;
+    }
+    let out = run_child(ALTSTACK_CHILD, 60);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{}",
+        describe(&out)
+    );
+}
+
 const THREAD_CHILD: &str = "a_thread_stack_overflow_still_gets_rusts_own_report";
 
 #[test]
