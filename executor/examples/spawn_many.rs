@@ -10,7 +10,17 @@
 use std::time::Instant;
 
 fn main() {
-    let workers = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2);
+    let usage = || -> ! {
+        eprintln!("usage: spawn_many [workers] [fiber]   (workers: a whole number, default 2)");
+        std::process::exit(2)
+    };
+    let workers = match std::env::args().nth(1) {
+        None => 2,
+        Some(a) => a.parse().unwrap_or_else(|_| usage()),
+    };
+    if std::env::args().nth(2).is_some_and(|a| a != "fiber") {
+        usage();
+    }
     let exec = spindle_executor::Executor::builder().workers(workers).max_workers(workers).build();
     let n = 1_000_000u64;
 
