@@ -22,7 +22,6 @@ use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
 
-use crate::current::current_header;
 use crate::header::Header;
 
 static mut PREVIOUS: [MaybeUninit<libc::sigaction>; 2] = [MaybeUninit::uninit(), MaybeUninit::uninit()];
@@ -34,11 +33,14 @@ const SIGNALS: [libc::c_int; 2] = [libc::SIGSEGV, libc::SIGBUS];
 pub(crate) fn install() {
     INSTALL.call_once(|| {
         for (i, &sig) in SIGNALS.iter().enumerate() {
-            // SAFETY: plain sigaction calls. PREVIOUS is written here once,
-            // before the handler that reads it is installed: the current
-            // action is read first, stored, and only then replaced (reading
-            // it through the installing call would let a fault on another
-            // thread run the handler before the slot is filled).
+            // SAFETY: plain sigaction calls. PREVIOUS is filled before the
+            // handler that reads it is installed: the current action is
+            // read first and stored, and only then replaced (reading it
+            // through the installing call would let a fault on another
+            // thread run the handler before the slot is filled). Should
+            // someone else install a handler between the two calls, the
+            // action the second call replaced is the one to chain to: it is
+            // stored then (a fault racing that store is the one case left).
             unsafe {
                 let prev = ptr::addr_of_mut!(PREVIOUS[i]) as *mut libc::sigaction;
                 libc::sigaction(sig, ptr::null(), prev);
@@ -46,7 +48,11 @@ pub(crate) fn install() {
                 action.sa_sigaction = handler as *const () as usize;
                 action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
                 libc::sigemptyset(&mut action.sa_mask);
-                libc::sigaction(sig, &action, ptr::null_mut());
+                let mut replaced: libc::sigaction = std::mem::zeroed();
+                libc::sigaction(sig, &action, &mut replaced);
+                if replaced.sa_sigaction != (*prev).sa_sigaction || replaced.sa_flags != (*prev).sa_flags {
+                    prev.write(replaced);
+                }
             }
         }
     });
@@ -179,7 +185,12 @@ extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
         chain(sig, info, ctx);
         return;
     }
-    let h = current_header();
+    // Under loom the word is a loom thread-local, which a signal handler
+    // must not touch (nor does loom model signals).
+    #[cfg(loom)]
+    let h: *const Header = ptr::null();
+    #[cfg(not(loom))]
+    let h = crate::current::current_header();
     // SAFETY: a non-null current fiber is the header of the fiber running on this
     // thread, kept alive by its runner; its fields read here are immutable.
     if let Some(h) = unsafe { h.as_ref() } {

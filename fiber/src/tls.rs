@@ -47,7 +47,9 @@
 //!   are loom's thread-locals, one pair per model thread.
 //!
 //! Either way the words are plain: no destructor, readable from a signal
-//! handler (the overflow report reads the current fiber).
+//! handler (the overflow report reads the current fiber). Under loom they
+//! are loom's, which only code inside a model may read: the overflow
+//! handler and the panic hook leave them alone there.
 
 pub(crate) use imp::{
     current, set_current, set_thread_id, swap_current, swap_current_read_thread_id, thread_id_word,

@@ -391,7 +391,7 @@ fn a_function_with_large_captures_runs() {
         // Reusable, with a small closure again.
         fiber.set_function(Priority::NORMAL, || 1).unwrap();
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
-        // And the same on the smallest stack: the captures are not on it.
+        // And the same on a small stack: the captures are not on it.
         let small = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
         let big = [1u8; 8000];
         small.set_function(Priority::NORMAL, move || big.len()).unwrap();
