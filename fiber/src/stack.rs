@@ -169,17 +169,33 @@ impl fmt::Debug for FiberStack {
 /// ```
 pub struct StackPool {
     capacity: usize,
-    /// (usable size, stacks of that size); a handful of sizes at most.
     /// Guarded by the mutex; touched only in `take`/`give`.
-    cache: Mutex<Vec<(usize, Vec<FiberStack>)>>,
+    cache: Mutex<Cache>,
 }
+
+/// The cached stacks, by usable size.
+struct Cache {
+    /// Stacks cached, over every size.
+    count: usize,
+    /// (usable size, stacks of that size). An entry that runs empty stays
+    /// (a steady take-give cycle would otherwise allocate its `Vec` every
+    /// time) unless there are more than [`MAX_EMPTY_SIZES`] entries, so
+    /// that many sizes used once do not pile up.
+    by_size: Vec<(usize, Vec<FiberStack>)>,
+}
+
+/// Entries a pool keeps for sizes it has no stack of at the moment.
+const MAX_EMPTY_SIZES: usize = 16;
 
 impl StackPool {
     /// A pool that keeps at most `capacity` stacks.
     pub const fn new(capacity: usize) -> StackPool {
         StackPool {
             capacity,
-            cache: Mutex::new(Vec::new()),
+            cache: Mutex::new(Cache {
+                count: 0,
+                by_size: Vec::new(),
+            }),
         }
     }
 
@@ -210,20 +226,24 @@ impl StackPool {
 
     /// Stacks currently cached.
     pub fn cached(&self) -> usize {
-        self.lock().iter().map(|(_, v)| v.len()).sum()
+        self.lock().count
     }
 
     /// A stack with `usable` bytes: a cached one if there is one, else a
     /// fresh mapping.
     pub fn take(&self, usable: usize) -> Result<FiberStack, StackError> {
         let usable = checked_size(usable)?;
-        if let Some(stack) = self
-            .lock()
-            .iter_mut()
-            .find(|(s, _)| *s == usable)
-            .and_then(|(_, v)| v.pop())
         {
-            return Ok(stack);
+            let mut cache = self.lock();
+            if let Some(i) = cache.by_size.iter().position(|(s, _)| *s == usable) {
+                if let Some(stack) = cache.by_size[i].1.pop() {
+                    cache.count -= 1;
+                    if cache.by_size[i].1.is_empty() && cache.by_size.len() > MAX_EMPTY_SIZES {
+                        cache.by_size.swap_remove(i);
+                    }
+                    return Ok(stack);
+                }
+            }
         }
         FiberStack::new(usable)
     }
@@ -231,19 +251,19 @@ impl StackPool {
     /// Returns a stack to the pool (or unmaps it if the pool is full).
     pub fn give(&self, stack: FiberStack) {
         let mut cache = self.lock();
-        let cached: usize = cache.iter().map(|(_, v)| v.len()).sum();
-        if cached >= self.capacity {
+        if cache.count >= self.capacity {
             drop(cache);
             drop(stack); // munmap outside the lock
             return;
         }
-        match cache.iter_mut().find(|(s, _)| *s == stack.usable) {
+        cache.count += 1;
+        match cache.by_size.iter_mut().find(|(s, _)| *s == stack.usable) {
             Some((_, v)) => v.push(stack),
-            None => cache.push((stack.usable, vec![stack])),
+            None => cache.by_size.push((stack.usable, vec![stack])),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(usize, Vec<FiberStack>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
         // A panic while holding the lock cannot leave the Vec inconsistent.
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -255,5 +275,39 @@ impl fmt::Debug for StackPool {
             .field("capacity", &self.capacity)
             .field("cached", &self.cached())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_counts_its_stacks_and_forgets_sizes_it_no_longer_holds() {
+        let page = page_size();
+        let pool = StackPool::new(64);
+        // One stack of each of 40 sizes, given back, then taken again.
+        let sizes: Vec<usize> = (1..=40).map(|i| i * page).collect();
+        for &s in &sizes {
+            pool.give(pool.take(s).unwrap());
+        }
+        assert_eq!(pool.cached(), 40);
+        for &s in &sizes {
+            let st = pool.take(s).unwrap();
+            assert_eq!(st.usable_size(), s, "a cached stack of the asked size");
+        }
+        assert_eq!(pool.cached(), 0);
+        // Emptied sizes are dropped down to the bound, so lookups stay short.
+        assert!(
+            pool.lock().by_size.len() <= MAX_EMPTY_SIZES,
+            "{}",
+            pool.lock().by_size.len()
+        );
+        // The capacity holds across sizes: the 65th stack is unmapped.
+        let stacks: Vec<_> = (0..65).map(|i| pool.take((1 + i % 3) * page).unwrap()).collect();
+        for st in stacks {
+            pool.give(st);
+        }
+        assert_eq!(pool.cached(), 64);
     }
 }
