@@ -342,14 +342,17 @@ fn wait_quiescent(shared: &Shared) {
     let beats = || -> u64 {
         shared.workers.iter().map(|w| w.hot.heartbeat.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
     };
+    // Timers first: a timer being fired is counted until its fiber is in
+    // an inbox, so once `is_empty` says none is left, the queues read next
+    // hold what it woke.
     let quiet = || {
-        shared
-            .workers
-            .iter()
-            .filter(|w| w.started.load(Ordering::Acquire))
-            .all(|w| w.inbox.parked.load(Ordering::SeqCst))
+        shared.timers.is_empty()
             && !shared.pending_work()
-            && shared.timers.is_empty()
+            && shared
+                .workers
+                .iter()
+                .filter(|w| w.started.load(Ordering::Acquire))
+                .all(|w| w.inbox.parked.load(Ordering::SeqCst))
     };
     let started = std::time::Instant::now();
     let mut warned = false;

@@ -340,6 +340,12 @@ impl Shared {
             || self.workers.iter().any(|o| o.index != me && o.has_fresh())
     }
 
+    /// Is there work a new worker could take (queued jobs, not woken
+    /// fibers, which are pinned to their workers)?
+    pub(crate) fn stealable_work(&self) -> bool {
+        self.global.iter().any(|q| !q.is_empty()) || self.workers.iter().any(|w| w.has_fresh())
+    }
+
     /// Is any fiber waiting to run anywhere?
     pub(crate) fn pending_work(&self) -> bool {
         self.global.iter().any(|q| !q.is_empty())

@@ -65,7 +65,10 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             }
         }
 
-        if stuck && now - last_scale >= shared.config.stuck_threshold && shared.pending_work() {
+        // Only work another worker could take counts: woken fibers in the
+        // stuck worker's own inbox are pinned to it, and a worker added
+        // for them would find nothing, retire, and be added again.
+        if stuck && now - last_scale >= shared.config.stuck_threshold && shared.stealable_work() {
             scale_up(&shared);
             last_scale = now;
         }
@@ -187,6 +190,10 @@ pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
         }
     } else {
         w.active.store(true, Ordering::Release);
+        // Pairs with the fence a parking worker makes between storing
+        // `parked` and loading `active` (the store-buffer pattern): either
+        // it sees `active`, or this sees it parked and wakes it.
+        std::sync::atomic::fence(Ordering::SeqCst);
         w.notify();
     }
     Ok(())
@@ -222,6 +229,11 @@ fn report_deadlock(shared: &Shared) {
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {
+        // A task that completed meanwhile (its joiner not yet off the list)
+        // keeps its own outcome.
+        if task.finished.load(Ordering::Acquire) {
+            continue;
+        }
         *task.error.lock() = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         task.done.release(1);
     }

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use parking_lot::Mutex;
 
 use crate::task::TaskRef;
@@ -20,11 +22,16 @@ pub(crate) type TimerKey = (Instant, u64);
 /// timer neither keeps the task alive nor counts as pending.
 pub(crate) struct Timers {
     map: Mutex<(BTreeMap<TimerKey, Entry>, u64)>,
+    /// Timers taken out of the map by `fire_due` whose wake is not done
+    /// yet: raised under the map's lock with the removal, lowered after
+    /// the wake, so a timer is always in the map or counted here until its
+    /// fiber is in an inbox (shutdown's quiescence check relies on it).
+    firing: AtomicUsize,
 }
 
 impl Timers {
     pub(crate) fn new() -> Timers {
-        Timers { map: Mutex::new((BTreeMap::new(), 0)) }
+        Timers { map: Mutex::new((BTreeMap::new(), 0)), firing: AtomicUsize::new(0) }
     }
 
     pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) -> TimerKey {
@@ -42,8 +49,10 @@ impl Timers {
         drop(entry);
     }
 
+    /// No timer pending, and none being fired.
     pub(crate) fn is_empty(&self) -> bool {
-        self.map.lock().0.is_empty()
+        let m = self.map.lock();
+        m.0.is_empty() && self.firing.load(Ordering::SeqCst) == 0
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
@@ -58,17 +67,18 @@ impl Timers {
             let entry = {
                 let mut m = self.map.lock();
                 match m.0.first_entry() {
-                    Some(e) if e.key().0 <= now => Some(e.remove()),
+                    Some(e) if e.key().0 <= now => {
+                        self.firing.fetch_add(1, Ordering::SeqCst);
+                        Some(e.remove())
+                    }
                     _ => None,
                 }
             };
             let Some(entry) = entry else { return fired };
             let waiter = {
                 let mut slot = entry.task.sleep.lock();
-                if slot.generation != entry.generation {
-                    continue; // that sleep already ended; this is a stale timer
-                }
-                let w = slot.waiter.take();
+                // A stale timer (that sleep already ended) wakes nothing.
+                let w = if slot.generation == entry.generation { slot.waiter.take() } else { None };
                 if w.is_some() {
                     slot.timed_out = true;
                 }
@@ -78,6 +88,9 @@ impl Timers {
                 w.wake();
                 fired += 1;
             }
+            // The fiber is in its inbox now (or was woken some other way).
+            drop(entry);
+            self.firing.fetch_sub(1, Ordering::SeqCst);
         }
     }
 

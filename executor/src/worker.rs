@@ -265,6 +265,16 @@ impl Worker {
                         });
                         self.shared().stats.stack_waits.fetch_add(1, Ordering::Relaxed);
                         self.shared().global[class_of(job.priority)].push(job);
+                        // Only active workers look at the global queue: a
+                        // retired one (which starts jobs from its own deque)
+                        // wakes one, as a spawn does. An active one comes
+                        // back to the job itself.
+                        if !self.me().active.load(Ordering::Relaxed) {
+                            std::sync::atomic::fence(Ordering::SeqCst);
+                            if self.shared().searching.load(Ordering::SeqCst) == 0 {
+                                self.shared().wake_one_parked();
+                            }
+                        }
                         std::thread::yield_now();
                         return None;
                     }

@@ -118,3 +118,34 @@ fn no_scaling_without_pending_work() {
         );
     });
 }
+
+/// A stuck worker whose only waiting work is a fiber woken into its own
+/// inbox (pinned to it) is not scaled for: a new worker could not run that
+/// fiber, and would only retire and be added again, over and over.
+#[test]
+fn a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers() {
+    watchdog("a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers", 30, |stage| {
+        let exec = Executor::builder()
+            .workers(1)
+            .max_workers(4)
+            .stuck_threshold(Duration::from_millis(2))
+            .idle_retire(Duration::from_millis(5))
+            .build();
+        let handle = exec.handle();
+        stage.set("a sleeper, then a hog on the only worker until the sleeper is woken into its inbox");
+        let sleeper = exec.spawn(|| spindle_executor::sleep(Duration::from_millis(5)));
+        let hog = exec.spawn(move || {
+            // Started after the sleeper went to sleep (one worker, FIFO).
+            while handle.stats().inbox_handoffs == 0 {
+                std::hint::spin_loop();
+            }
+            // Stay stuck with that woken fiber waiting: many stuck
+            // thresholds and retire periods.
+            spin_for(Duration::from_millis(100));
+        });
+        hog.join().unwrap();
+        sleeper.join().unwrap();
+        let stats = exec.stats();
+        assert_eq!(stats.scale_ups, 0, "workers were added for a fiber none of them could run: {stats:?}");
+    });
+}
