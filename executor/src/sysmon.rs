@@ -230,11 +230,16 @@ fn report_deadlock(shared: &Shared) {
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {
         // A task that completed meanwhile (its joiner not yet off the list)
-        // keeps its own outcome.
-        if task.finished.load(Ordering::Acquire) {
-            continue;
+        // keeps its own outcome: checked under the error's lock, which its
+        // completion writes a failure under before it sets `finished` (a
+        // value is read before any error, so it wins anyway).
+        {
+            let mut error = task.error.lock();
+            if task.finished.load(Ordering::Acquire) || error.is_some() {
+                continue;
+            }
+            *error = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         }
-        *task.error.lock() = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         task.done.release(1);
     }
 }

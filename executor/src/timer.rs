@@ -17,6 +17,16 @@ struct Entry {
 /// Where a timer sits: its deadline, then the order timers were added.
 pub(crate) type TimerKey = (Instant, u64);
 
+/// Lowers `Timers::firing` when dropped: after the wake, or if it unwinds
+/// (a count left raised would hold shutdown's quiescence check forever).
+struct Firing<'a>(&'a AtomicUsize);
+
+impl Drop for Firing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Deadlines, each for a task sleeping in its sleep slot. A sleep that ends
 /// before its deadline (a wake, a cancel) removes its timer, so that the
 /// timer neither keeps the task alive nor counts as pending.
@@ -75,6 +85,7 @@ impl Timers {
                 }
             };
             let Some(entry) = entry else { return fired };
+            let _firing = Firing(&self.firing);
             let waiter = {
                 let mut slot = entry.task.sleep.lock();
                 // A stale timer (that sleep already ended) wakes nothing.
@@ -88,9 +99,9 @@ impl Timers {
                 w.wake();
                 fired += 1;
             }
-            // The fiber is in its inbox now (or was woken some other way).
+            // The fiber is in its inbox now (or was woken some other way);
+            // `_firing` lowers the count (on an unwind too).
             drop(entry);
-            self.firing.fetch_sub(1, Ordering::SeqCst);
         }
     }
 

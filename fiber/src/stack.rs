@@ -179,13 +179,14 @@ struct Cache {
     count: usize,
     /// (usable size, stacks of that size). An entry that runs empty stays
     /// (a steady take-give cycle would otherwise allocate its `Vec` every
-    /// time) unless there are more than [`MAX_EMPTY_SIZES`] entries, so
-    /// that many sizes used once do not pile up.
+    /// time) unless there are more than [`MAX_SIZES`] entries, so that
+    /// many sizes used once do not pile up. (With more sizes than that in
+    /// steady use, their entries come and go, an allocation each time.)
     by_size: Vec<(usize, Vec<FiberStack>)>,
 }
 
-/// Entries a pool keeps for sizes it has no stack of at the moment.
-const MAX_EMPTY_SIZES: usize = 16;
+/// Size entries beyond which one that runs empty is dropped.
+const MAX_SIZES: usize = 16;
 
 impl StackPool {
     /// A pool that keeps at most `capacity` stacks.
@@ -238,7 +239,7 @@ impl StackPool {
             if let Some(i) = cache.by_size.iter().position(|(s, _)| *s == usable) {
                 if let Some(stack) = cache.by_size[i].1.pop() {
                     cache.count -= 1;
-                    if cache.by_size[i].1.is_empty() && cache.by_size.len() > MAX_EMPTY_SIZES {
+                    if cache.by_size[i].1.is_empty() && cache.by_size.len() > MAX_SIZES {
                         cache.by_size.swap_remove(i);
                     }
                     return Ok(stack);
@@ -264,7 +265,7 @@ impl StackPool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
-        // A panic while holding the lock cannot leave the Vec inconsistent.
+        // A panic while holding the lock cannot leave the cache inconsistent.
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -299,7 +300,7 @@ mod tests {
         assert_eq!(pool.cached(), 0);
         // Emptied sizes are dropped down to the bound, so lookups stay short.
         assert!(
-            pool.lock().by_size.len() <= MAX_EMPTY_SIZES,
+            pool.lock().by_size.len() <= MAX_SIZES,
             "{}",
             pool.lock().by_size.len()
         );
