@@ -194,11 +194,7 @@ fn the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits() {
         return;
     }
     let out = run_child(ALTSTACK_CHILD, 60);
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
-        "{}",
-        describe(&out)
-    );
+    assert!(common::child_passed(&out), "{}", describe(&out));
 }
 
 const THREAD_CHILD: &str = "a_thread_stack_overflow_still_gets_rusts_own_report";
@@ -310,8 +306,7 @@ fn an_overflow_in_the_last_frames_before_a_switch_is_reported() {
             // No signal: the yield fitted, and the child must have passed
             // (a panic in it exits with 101).
             None => {
-                let stdout = String::from_utf8_lossy(&out.stdout);
-                if out.status.success() && stdout.contains("1 passed") {
+                if common::child_passed(&out) {
                     completed += 1;
                 } else {
                     failed.push((off, describe(&out)));

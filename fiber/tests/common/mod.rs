@@ -56,6 +56,11 @@ pub fn run_child_with(test: &str, secs: u64, arg: &str) -> Output {
     )
 }
 
+/// Whether a child started by [`run_child`] ran its one test and passed.
+pub fn child_passed(out: &Output) -> bool {
+    out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed")
+}
+
 /// Turns off core dumps for this process (a child that is meant to abort
 /// should not leave a core file behind).
 pub fn no_core_dumps() {
