@@ -366,8 +366,14 @@ impl Worker {
         if extra && me.active.load(Ordering::Relaxed) {
             parker.park_timeout(shared.config.idle_retire);
             if me.inbox.parked.swap(false, Ordering::SeqCst) {
-                // Nobody woke us: retire if we are the highest active worker.
-                self.try_retire();
+                // Nobody woke us: retire if we are the highest active worker
+                // and nothing came in meanwhile (a spawn that found us
+                // parked-by-timeout and nobody searching woke nobody; the
+                // fence pairs with its own).
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if !shared.work_visible(self.ctx.index) {
+                    self.try_retire();
+                }
             }
         } else {
             parker.park();
