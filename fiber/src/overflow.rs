@@ -210,9 +210,16 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
         let prev = &*(ptr::addr_of!(PREVIOUS[i]) as *const libc::sigaction);
         let action = prev.sa_sigaction;
         if action == libc::SIG_DFL || action == libc::SIG_IGN {
-            // Restore the default and return: the faulting instruction runs
-            // again and the default action (a core dump) takes place.
+            // Put the previous action back and return: the faulting
+            // instruction runs again and that action takes place (the
+            // kernel kills the process for a real fault even if it was
+            // ignored). A signal sent by a process (`kill`, `raise`: no
+            // faulting instruction to run again) is raised once more, or it
+            // would be lost.
             libc::sigaction(sig, prev, ptr::null_mut());
+            if (*info).si_code <= 0 {
+                libc::raise(sig);
+            }
         } else if prev.sa_flags & libc::SA_SIGINFO != 0 {
             let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
                 std::mem::transmute(action);

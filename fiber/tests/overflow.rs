@@ -197,6 +197,37 @@ fn the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits() {
     assert!(common::child_passed(&out), "{}", describe(&out));
 }
 
+const SENT_CHILD: &str = "a_sigsegv_sent_by_a_process_is_not_swallowed";
+
+/// A SIGSEGV sent with `kill`/`raise` (no faulting instruction to run
+/// again) still gets the previous action, here the default: the process
+/// dies of it instead of the signal being lost in the fiber library's
+/// handler.
+#[test]
+fn a_sigsegv_sent_by_a_process_is_not_swallowed() {
+    if is_child(SENT_CHILD) {
+        no_core_dumps();
+        // The default action before the fiber library installs its handler
+        // (Rust's runtime installed its own).
+        // SAFETY: resetting a signal's action to the default.
+        unsafe { libc::signal(libc::SIGSEGV, libc::SIG_DFL) };
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        // SAFETY: sending this process a signal.
+        unsafe { libc::raise(libc::SIGSEGV) };
+        eprintln!("the signal was swallowed");
+        return;
+    }
+    let out = run_child(SENT_CHILD, 60);
+    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{}", describe(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("swallowed"),
+        "{}",
+        describe(&out)
+    );
+}
+
 const THREAD_CHILD: &str = "a_thread_stack_overflow_still_gets_rusts_own_report";
 
 #[test]
