@@ -346,10 +346,10 @@ impl Shared {
         self.global.iter().any(|q| !q.is_empty()) || self.workers.iter().any(|w| w.has_fresh())
     }
 
-    /// Is any fiber waiting to run anywhere?
+    /// Is any fiber waiting to run anywhere: queued jobs, or woken fibers
+    /// in an inbox?
     pub(crate) fn pending_work(&self) -> bool {
-        self.global.iter().any(|q| !q.is_empty())
-            || self.workers.iter().any(|w| w.has_fresh() || w.inbox.len.load(Ordering::Relaxed) > 0)
+        self.stealable_work() || self.workers.iter().any(|w| w.inbox.len.load(Ordering::Relaxed) > 0)
     }
 
     /// Steals one fresh fiber of `class` from another worker.
