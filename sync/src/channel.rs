@@ -14,11 +14,11 @@
 //!   themselves, e.g. a header followed by its payload in one block
 //!   ([`MsgHeader::init_trailing`]).
 
-use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
 
@@ -28,26 +28,34 @@ use crate::wait::{wait, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a channel");
 
+/// The `next` of a header that is not queued on any channel (null ends a
+/// queue). Never the address of a header: no allocation lives at the
+/// alignment itself.
+const NOT_QUEUED: *mut MsgHeader = NonNull::<MsgHeader>::dangling().as_ptr();
+
 /// The header of a channel message: a link for the channel's queue and the
 /// location of the payload (like a `struct iovec`).
 #[repr(C)]
 pub struct MsgHeader {
-    /// Next queued message; written only by the channel, under its lock.
-    next: Cell<*mut MsgHeader>,
+    /// Next queued message ([`NOT_QUEUED`] while the header is not queued);
+    /// written only by the channel, under its lock. Atomic (Relaxed) only
+    /// so that `push`'s check of a header wrongly queued on another channel
+    /// is not itself a data race.
+    next: AtomicPtr<MsgHeader>,
     /// Payload address.
     pub buf: *mut u8,
     /// Payload length in bytes.
     pub len: usize,
 }
 
-// SAFETY: the link is only touched under a channel's lock; buf/len are
-// plain data whose meaning is the owner's.
+// SAFETY: the link is atomic and only written under a channel's lock;
+// buf/len are plain data whose meaning is the owner's.
 unsafe impl Send for MsgHeader {}
 
 impl MsgHeader {
     /// A header describing the payload at `buf` of `len` bytes.
     pub const fn new(buf: *mut u8, len: usize) -> MsgHeader {
-        MsgHeader { next: Cell::new(ptr::null_mut()), buf, len }
+        MsgHeader { next: AtomicPtr::new(NOT_QUEUED), buf, len }
     }
 
     /// Initialises the header at `this` for a payload of `len` bytes that
@@ -73,7 +81,7 @@ impl MsgHeader {
     /// ```
     ///
     /// # Safety
-    /// `this` is valid for writes of a header, and valid (same allocation,
+    /// `this` is properly aligned and valid for writes of a header, and valid (same allocation,
     /// and a pointer whose provenance covers them: derive it from a pointer
     /// to the whole block, not from a reference to the header field) for
     /// the `len` bytes directly after the header, which the header's `buf`
@@ -114,7 +122,7 @@ impl Synced {
         }
         // SAFETY: the header was pushed under push's contract and never
         // reached its receiver, so it is still the channel's.
-        unsafe { (*msg).next.set(self.head) };
+        unsafe { (*msg).next.store(self.head, Ordering::Relaxed) };
         if self.head.is_null() {
             self.tail = msg;
         }
@@ -126,7 +134,7 @@ impl Synced {
     fn pop_message(&mut self) -> Option<NonNull<MsgHeader>> {
         let head = NonNull::new(self.head)?;
         // SAFETY: queued headers are valid until popped (push's contract).
-        self.head = unsafe { head.as_ref().next.get() };
+        self.head = unsafe { head.as_ref().next.swap(NOT_QUEUED, Ordering::Relaxed) };
         if self.head.is_null() {
             self.tail = ptr::null_mut();
         }
@@ -137,10 +145,12 @@ impl Synced {
 
 /// An unbounded FIFO of caller-owned messages, identified by their headers.
 ///
-/// `push` never waits for a receiver and never allocates (as with
+/// `push` never waits for a receiver and allocates nothing itself (a woken
+/// receiver fiber goes back to its run queue, which may grow a buffer the
+/// first time a priority level is used). As with
 /// [`Semaphore::release`](crate::Semaphore), a woken receiver fiber with no
 /// other reference and no run queue is dropped inside `push`, and its
-/// destructors run there); `pop` waits (a fiber sleeps, a thread parks)
+/// destructors run there. `pop` waits (a fiber sleeps, a thread parks)
 /// until a message arrives. A message pushed while receivers
 /// wait is handed straight to the one that waited longest.
 ///
@@ -192,22 +202,39 @@ impl RawChannel {
 
     /// Queues a message, or hands it to the longest-waiting receiver.
     ///
+    /// # Panics
+    /// If the header is queued on a channel already (pushed and not popped
+    /// yet): pop it before pushing it again. Nothing is queued then.
+    ///
     /// # Safety
-    /// Until the header is popped (or the channel is dropped), it stays
-    /// valid, is not moved, is not pushed anywhere else, and the message it
-    /// describes may be accessed from whichever thread pops it (it is Send).
+    /// The header is properly aligned and was initialised by
+    /// [`MsgHeader::new`] or [`MsgHeader::init_trailing`]. From the push
+    /// until it is popped (or the channel is dropped), the channel owns it:
+    /// it stays valid and is not moved, and the caller neither reads nor
+    /// writes it nor holds a reference to it. The message it describes may
+    /// be accessed from whichever thread pops it (it is Send).
     pub unsafe fn push(&self, msg: NonNull<MsgHeader>) {
         let mut synced = self.synced.lock();
+        // SAFETY: the header is valid (the caller's contract); the link is
+        // atomic, so this read is no race even for a header wrongly queued
+        // on another channel.
+        if unsafe { msg.as_ref().next.load(Ordering::Relaxed) } != NOT_QUEUED {
+            drop(synced);
+            panic!(
+                "spindle-sync: RawChannel::push of a header that is queued on a channel already: pop it \
+                 before pushing it again"
+            );
+        }
         if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
             drop(synced);
             wakeup.wake();
             return;
         }
         // SAFETY: the caller hands us the header until it is popped.
-        unsafe { msg.as_ref().next.set(ptr::null_mut()) };
+        unsafe { msg.as_ref().next.store(ptr::null_mut(), Ordering::Relaxed) };
         match NonNull::new(synced.tail) {
             // SAFETY: the tail is a queued, valid header.
-            Some(tail) => unsafe { tail.as_ref().next.set(msg.as_ptr()) },
+            Some(tail) => unsafe { tail.as_ref().next.store(msg.as_ptr(), Ordering::Relaxed) },
             None => synced.head = msg.as_ptr(),
         }
         synced.tail = msg.as_ptr();
@@ -264,11 +291,14 @@ impl fmt::Debug for RawChannel {
 }
 
 impl Drop for RawChannel {
-    /// Queued headers stay their owners' memory: the channel forgets its
-    /// links to them and touches nothing. Receivers borrow the channel while
-    /// they wait, so none can be left.
+    /// Queued headers stay their owners' memory: the channel marks each one
+    /// as no longer queued (so that it may be pushed again, elsewhere) and
+    /// forgets it. Receivers borrow the channel while they wait, so none can
+    /// be left.
     fn drop(&mut self) {
-        debug_assert!(self.synced.get_mut().receivers.is_empty());
+        let synced = self.synced.get_mut();
+        debug_assert!(synced.receivers.is_empty());
+        while synced.pop_message().is_some() {}
     }
 }
 
@@ -334,6 +364,10 @@ impl<T> From<T> for Msg<T> {
     }
 }
 
+// SAFETY: `&Msg<T>` gives out `&T` only; the header inside is touched by a
+// channel only while the channel owns the message (it is not shared then).
+unsafe impl<T: Sync> Sync for Msg<T> {}
+
 impl<T> Deref for Msg<T> {
     type Target = T;
     fn deref(&self) -> &T {
@@ -385,8 +419,15 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 /// ```
 pub struct Channel<T> {
     raw: RawChannel,
-    _holds: PhantomData<Msg<T>>,
+    /// Owns queued `Msg<T>`s (for the drop check), and is invariant in
+    /// `T`: a covariant channel would let `&Channel<&'static str>` be used
+    /// as `&Channel<&'a str>`, push a short-lived reference, and pop it
+    /// back as `'static`.
+    _holds: PhantomData<HoldsInvariant<T>>,
 }
+
+/// `Channel<T>`'s marker: owns `Msg<T>`s, invariant in `T`.
+type HoldsInvariant<T> = (Msg<T>, fn(T) -> T);
 
 // SAFETY: the channel moves Msg<T> between threads: T must be Send. It
 // never hands out references to queued values.
@@ -401,8 +442,8 @@ impl<T> Channel<T> {
     }
 
     /// Queues a message, or hands it to the longest-waiting receiver. Never
-    /// waits for a receiver, never allocates (see [`RawChannel`] for the one
-    /// case where a woken receiver's destructors run here).
+    /// waits for a receiver and allocates nothing itself (see
+    /// [`RawChannel`] for what a wake may do here).
     pub fn push(&self, msg: Msg<T>) {
         // SAFETY: the header is the heap block of a Msg we now own; it stays
         // put until popped (converted back to a Msg) or dropped with the

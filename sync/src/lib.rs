@@ -45,6 +45,16 @@
 //!
 //! See DESIGN.md ("sleep/wake protocol") for the numbered steps of both
 //! sides and why no wakeup is lost.
+//!
+//! # What is not here
+//!
+//! Channels have no close or disconnect, and neither primitive has a timed
+//! or cancellable wait: a receiver waits until a message arrives, so a
+//! producer that stops should say so with a message of its own (an enum
+//! with a "done" variant, or a count agreed in advance), and a consumer
+//! that must give up after a while can poll with `try_pop`/`try_acquire`.
+//! `spindle-executor`'s cancellation does not interrupt these waits either;
+//! it takes effect at the executor's own yield and sleep points.
 
 //! # Threads
 //!
@@ -56,8 +66,7 @@
 //! assert_send_sync::<spindle_sync::Semaphore>();
 //! assert_send_sync::<spindle_sync::RawChannel>();
 //! assert_send_sync::<spindle_sync::Channel<String>>();
-//! fn assert_send<T: Send>() {}
-//! assert_send::<spindle_sync::Msg<String>>();
+//! assert_send_sync::<spindle_sync::Msg<String>>();
 //! ```
 //!
 //! A channel of `!Send` values cannot be shared, since its messages would
@@ -71,6 +80,23 @@
 //! ```compile_fail,E0277
 //! fn assert_send<T: Send>() {}
 //! assert_send::<spindle_sync::Msg<std::rc::Rc<u8>>>();
+//! ```
+//!
+//! A channel is invariant in its message type: a channel of `'static`
+//! references cannot be used as one of shorter-lived references, which
+//! would let a short-lived reference be pushed and popped back as
+//! `'static`:
+//!
+//! ```compile_fail
+//! use spindle_sync::{Channel, Msg};
+//!
+//! let chan: Channel<&'static str> = Channel::new();
+//! {
+//!     let s = String::from("short-lived");
+//!     let short: &Channel<&str> = &chan;
+//!     short.push(Msg::new(s.as_str()));
+//! }
+//! let _dangling: Msg<&'static str> = chan.pop();
 //! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]

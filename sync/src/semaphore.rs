@@ -22,7 +22,9 @@ struct Synced {
 /// park). Waiters are woken in FIFO order, fibers and threads alike.
 ///
 /// [`release`](Semaphore::release) may be called from any thread, fiber or
-/// not; it never waits for a waiter and never allocates. (One exception:
+/// not; it never waits for a waiter and allocates nothing itself (a woken
+/// fiber goes back to its run queue, which may grow a buffer the first
+/// time a priority level is used). (One exception to "never waits":
 /// waking a fiber whose only reference was its wait node, with no run
 /// queue to go to, drops it there, which unwinds its stack: its
 /// destructors then run inside `release`, and block it if they wait.)
@@ -102,7 +104,10 @@ impl Semaphore {
             // again: to the next waiter, or back to the count.
             |s, _| {
                 s.waiters.pop_front(ptr::null_mut()).or_else(|| {
-                    s.tokens += 1;
+                    // Saturating: this runs in an unwind, where an overflow
+                    // panic would abort, and a count at `usize::MAX` has
+                    // no token to spare anyway.
+                    s.tokens = s.tokens.saturating_add(1);
                     None
                 })
             },
@@ -141,8 +146,12 @@ impl Semaphore {
                 None => {
                     // Checked in every build: a wrapped count would hand
                     // out tokens that were never released.
-                    synced.tokens = synced.tokens.checked_add(left).unwrap_or_else(|| {
-                        panic!("spindle-sync: Semaphore::release({n}) overflows the token count")
+                    let available = synced.tokens;
+                    synced.tokens = available.checked_add(left).unwrap_or_else(|| {
+                        panic!(
+                            "spindle-sync: Semaphore::release({n}) overflows the token count ({available} \
+                             available): release only tokens that were acquired"
+                        )
                     });
                     return;
                 }

@@ -252,6 +252,39 @@ fn dropping_a_raw_channel_leaves_queued_headers_to_their_owners() {
 }
 
 /// Dropping a channel that still holds messages drops their values, once.
+/// Pushing a header that is still queued (on this channel or another) is
+/// refused with a panic that says what to do, and changes nothing: the
+/// queue keeps its one message, and the header can be pushed again once it
+/// is popped.
+#[test]
+fn pushing_a_queued_header_again_is_refused() {
+    let mut h = MsgHeader::new(std::ptr::null_mut(), 7);
+    let chan = RawChannel::new();
+    let other = RawChannel::new();
+    // SAFETY: `h` outlives both channels and is not touched while queued.
+    unsafe { chan.push(NonNull::from(&mut h)) };
+    for target in [&chan, &other] {
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: as above (the push is refused before it links anything).
+            unsafe { target.push(NonNull::from(&mut h)) }
+        }))
+        .expect_err("a second push of a queued header must be refused");
+        let msg = err
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| err.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or_default();
+        assert!(msg.contains("queued on a channel already") && msg.contains("pop it"), "{msg}");
+    }
+    assert_eq!((chan.len(), other.len()), (1, 0));
+    // SAFETY: the popped header is `h`, alive in this frame.
+    assert_eq!(chan.try_pop().map(|p| unsafe { p.as_ref().len }), Some(7));
+    assert!(chan.try_pop().is_none(), "the refused pushes linked nothing");
+    // SAFETY: as above.
+    unsafe { other.push(NonNull::from(&mut h)) };
+    assert_eq!(other.len(), 1);
+}
+
 #[test]
 fn dropping_a_channel_drops_queued_messages() {
     let drops = DropCounter::default();
