@@ -14,6 +14,12 @@
 //! earlier. The program prints
 //! per-worker task counts and the mean completion rank per priority, and
 //! checks that every worker ran at least one task.
+//!
+//! The fibers here move between worker threads, which takes one `unsafe`
+//! call (`set_function_migratable`, whose contract the comment at the call
+//! argues): a fiber that migrates must not keep thread-bound values across
+//! a suspension. The `workers` example shows the safe default instead:
+//! fibers pinned to the thread that first ran them.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -208,6 +208,7 @@ pub struct RunQueueStats {
 }
 
 /// Why [`RunQueue::try_push`] refused a fiber. The fiber is handed back.
+#[non_exhaustive]
 pub enum PushError<T> {
     /// The queue holds `capacity` fibers already.
     Full(Fiber<T>),
@@ -418,7 +419,10 @@ impl<T: Send + 'static> RunQueue<T> {
         // Usually the queue held the only reference: no atomic claim.
         let outcome = fiber.run_mut();
         match outcome {
-            Ok(RunOutcome::Yielded(_)) => self.requeue(&fiber),
+            Ok(RunOutcome::Yielded(_)) => {
+                let requeued = self.requeue(&fiber);
+                debug_assert!(requeued.is_ok(), "a fiber that just yielded is Ready: {requeued:?}");
+            }
             Err(FiberError::WrongThread(_)) => self.wrong_thread(&fiber),
             _ => {}
         }
@@ -438,14 +442,20 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Pushes back a fiber that just yielded. It was admitted by a push
-    /// before, so this does not fail for capacity (a fiber that is not
-    /// `Ready` is left alone); `len()` may then exceed the capacity for a
-    /// while, if pushes took the place it freed when popped.
-    pub fn requeue(&self, fiber: &Fiber<T>) {
-        if fiber.mark_queued(Some(&self.home)).is_ok() {
-            let synced = self.shared.synced.lock();
-            self.shared.insert(synced, fiber.clone());
-        }
+    /// before, so this does not fail for capacity; `len()` may then exceed
+    /// the capacity for a while, if pushes took the place it freed when
+    /// popped.
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not `Ready` (it sleeps on a primitive, which will wake
+    /// it back here; it finished; someone else queued or runs it): it is
+    /// left alone, and the error says where it is.
+    pub fn requeue(&self, fiber: &Fiber<T>) -> Result<(), FiberError> {
+        fiber.mark_queued(Some(&self.home))?;
+        let synced = self.shared.synced.lock();
+        self.shared.insert(synced, fiber.clone());
+        Ok(())
     }
 
     /// Changes the priority of `fiber`; if it is in this queue it moves to

@@ -338,8 +338,8 @@ fn run_popped_requeues_only_yielded_fibers() {
         let ran = queue.run_next().unwrap();
         assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
         assert!(queue.is_empty(), "a sleeping fiber belongs to the semaphore");
-        queue.requeue(&f);
-        assert!(queue.is_empty(), "requeue ignores a sleeping fiber");
+        assert!(matches!(queue.requeue(&f), Err(FiberError::Sleeping(_))));
+        assert!(queue.is_empty(), "requeue leaves a sleeping fiber alone");
         assert_eq!(f.state(), FiberState::Sleeping);
 
         sem.release(1);
@@ -348,8 +348,8 @@ fn run_popped_requeues_only_yielded_fibers() {
         assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(7))));
         assert!(Fiber::ptr_eq(&ran.fiber, &f));
         assert!(queue.is_empty());
-        queue.requeue(&f);
-        assert!(queue.is_empty(), "requeue ignores a finished fiber");
+        assert!(matches!(queue.requeue(&f), Err(FiberError::Finished(_))));
+        assert!(queue.is_empty(), "requeue leaves a finished fiber alone");
 
         let stats = queue.stats();
         assert_eq!((stats.pushes, stats.pops, stats.wakes), (3, 3, 1));
