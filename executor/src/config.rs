@@ -27,6 +27,7 @@ pub(crate) struct Config {
 /// for such threads use [`Report`](OnDeadlock::Report) or
 /// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnDeadlock {
     /// Fail the joins that threads are blocked in with
     /// [`JoinError::Deadlock`](crate::JoinError::Deadlock), and print the
@@ -89,15 +90,17 @@ impl Default for Builder {
 }
 
 impl Builder {
-    /// Initial (base) number of workers. Default: `SPINDLE_WORKERS` if set,
-    /// else the number of available cores.
+    /// Initial (base) number of workers. Default: `SPINDLE_WORKERS` if set
+    /// (a value that is not a number is reported on stderr and ignored),
+    /// else the number of available cores. 0 counts as 1.
     pub fn workers(mut self, n: usize) -> Builder {
         self.workers = Some(n.max(1));
         self
     }
 
-    /// Most workers auto-scaling may add up to. Default: twice the cores
-    /// (at least the base count).
+    /// Most workers auto-scaling may add up to. Default: twice the cores.
+    /// A value below the base count (see [`workers`](Builder::workers)) is
+    /// raised to it, which turns auto-scaling off; 0 counts as 1.
     pub fn max_workers(mut self, n: usize) -> Builder {
         self.max_workers = Some(n.max(1));
         self
@@ -185,7 +188,17 @@ impl Builder {
 
     fn resolve(self) -> Config {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let env_workers = std::env::var("SPINDLE_WORKERS").ok().and_then(|v| v.parse::<usize>().ok());
+        let env_workers =
+            std::env::var("SPINDLE_WORKERS").ok().and_then(|v| match v.trim().parse::<usize>() {
+                Ok(n) => Some(n),
+                Err(_) => {
+                    eprintln!(
+                        "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers; using the \
+                     default, one per available core"
+                    );
+                    None
+                }
+            });
         let base = self.workers.or(env_workers).unwrap_or(cores).max(1);
         let max = self.max_workers.unwrap_or(2 * cores).max(base);
         Config {

@@ -19,7 +19,10 @@ use crate::task::{JoinError, TaskCell, TaskRef};
 /// their worker and their joins fail with [`JoinError::Cancelled`], and
 /// every thread is joined before `drop` returns. (Dropped inside one of its
 /// own fibers, it cannot wait for that fiber: the shutdown then runs on a
-/// thread of its own, and `drop` returns at once.)
+/// thread of its own, and `drop` returns at once.) Fibers asleep on a
+/// `spindle-sync` primitive that nothing will signal are not unwound: the
+/// primitive's wait list holds them, and they leak with it (their
+/// destructors do not run, and their joins fail as cancelled).
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -153,6 +156,10 @@ impl Executor {
 
     /// Runs `f` on a fiber and waits for it (from `main`, a thread, or a
     /// fiber).
+    ///
+    /// # Errors
+    ///
+    /// As [`JoinHandle::join`].
     #[track_caller]
     pub fn block_on<F, T>(&self, f: F) -> Result<T, JoinError>
     where
@@ -492,6 +499,18 @@ impl<T> JoinHandle<T> {
 
 impl<T: Send> JoinHandle<T> {
     /// Waits for the fiber and returns its value, or why there is none.
+    ///
+    /// # Errors
+    ///
+    /// [`JoinError::Panicked`] if the fiber panicked,
+    /// [`JoinError::Cancelled`] if it was cancelled or the executor shut down
+    /// before it finished, and [`JoinError::Deadlock`] if deadlock detection
+    /// (on by default, see the crate docs) found the executor stuck while
+    /// this thread waited; a fiber joining is not failed that way.
+    ///
+    /// # Panics
+    ///
+    /// A cancelled fiber calling `join` unwinds (a cancellation point).
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
         let task = &self.task;

@@ -21,8 +21,10 @@
 //!   builder), growing by 50% up to twice the cores when sysmon sees a
 //!   worker stuck while work is pending; extra workers retire when idle.
 //! * Queues: per worker a stealable queue of fresh (not yet started) jobs
-//!   and an inbox for woken fibers; one global queue. Spawns go round-robin
-//!   and wake at most one worker.
+//!   and an inbox for woken fibers; one global queue. Spawns from outside
+//!   the executor go round-robin across workers, a spawn from one of its
+//!   fibers to that fiber's own worker (idle workers steal it); each wakes
+//!   at most one worker.
 //! * Priorities: three classes (high >= 192, normal, low < 64); a worker
 //!   always takes work of a higher class first.
 //! * `spindle-sync` primitives work unchanged inside: the executor
@@ -32,6 +34,38 @@
 //!   stealing jobs before they start. See DESIGN.md.
 //!
 //! Set `SPINDLE_STATS=1` to print counters at shutdown.
+//!
+//! # Cancellation
+//!
+//! [`JoinHandle::cancel`] and shutdown are requests: the fiber unwinds at
+//! its next cancellation point, which is any of this crate's
+//! [`yield_now`], [`yield_if_needed`] (when it yields), [`sleep`],
+//! [`sleep_until`], [`yield_timeout`] and [`JoinHandle::join`]. The unwind
+//! is a panic with a private payload (`std::panic::resume_unwind`, so no
+//! panic message): destructors run, and the join reports
+//! [`JoinError::Cancelled`]. A `catch_unwind` in the fiber catches it too;
+//! code that catches panics should let it go on
+//! (`std::panic::resume_unwind`). Waits on `spindle-sync` primitives are not
+//! cancellation points.
+//!
+//! # Deadlock detection
+//!
+//! On by default ([`OnDeadlock::FailJoin`], grace period 1 s): when nothing
+//! in the executor is runnable, no timer is pending and fibers sleep, the
+//! joins that threads are blocked in fail with [`JoinError::Deadlock`] and
+//! a report of every sleeping fiber is printed. Detection sees the executor
+//! only: fibers waiting for a plain thread that feeds them (through a
+//! channel, say) look deadlocked once that thread has been quiet for the
+//! grace period. Such programs set [`Builder::on_deadlock`] or
+//! [`Builder::deadlock_grace`].
+//!
+//! # Same names as in `spindle-fiber`
+//!
+//! This crate's [`yield_now`] also checks for cancellation
+//! (`spindle_fiber::yield_now` does not), and its [`sleep`] is a timer,
+//! while `spindle_fiber::sleep` waits for a `Waiter`. Use this crate's in
+//! executor fibers. Outside one (on a thread, or in a fiber run by
+//! something else), `sleep` sleeps the thread.
 //!
 //! # Threads
 //!
@@ -88,7 +122,7 @@ pub use config::{Builder, OnDeadlock};
 pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
 pub use ops::{sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
 pub use scope::{Scope, ScopedJoinHandle};
-pub use spindle_fiber::Priority;
+pub use spindle_fiber::{FiberId, Priority};
 pub use task::{JoinError, PanicPayload};
 
 /// The fiber-aware channels and semaphores (`spindle-sync`), which work

@@ -56,7 +56,8 @@ where
 
 /// Lets other fibers run; the caller goes to the back of its worker's
 /// queue for its priority class. On an ordinary thread, yields the thread.
-/// A cancelled fiber unwinds here.
+/// A cancelled fiber unwinds here (unlike `spindle_fiber::yield_now`,
+/// which knows nothing of cancellation).
 #[inline]
 pub fn yield_now() {
     spindle_fiber::yield_now();
@@ -75,7 +76,9 @@ pub fn yield_if_needed() {
     }
 }
 
-/// Puts the calling fiber to sleep for `d` (a thread sleeps). Timers have
+/// Puts the calling fiber to sleep for `d`. Outside an executor's fiber (on
+/// a thread, or in a fiber something else runs) the thread sleeps. (Not
+/// `spindle_fiber::sleep`, which waits for a `Waiter`.) Timers have
 /// the resolution of the sysmon interval (250 µs by default); a `d` too
 /// large for a deadline (`Duration::MAX`) sleeps until woken
 /// ([`JoinHandle::wake`](crate::JoinHandle::wake)), cancelled or shut

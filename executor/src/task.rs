@@ -83,6 +83,7 @@ impl fmt::Debug for PanicPayload {
 /// }
 /// assert_eq!(answer().unwrap(), 42);
 /// ```
+#[non_exhaustive]
 pub enum JoinError {
     /// The fiber panicked.
     Panicked {
