@@ -188,6 +188,11 @@ pub fn may_sleep() -> bool {
 /// Suspends the current fiber; `run` returns [`RunOutcome::Yielded`] with
 /// `value`. On an ordinary thread this is [`std::thread::yield_now`].
 ///
+/// # Panics
+///
+/// In a fiber whose function is over: a destructor of its return value
+/// that yields (there is no function left to suspend).
+///
 /// [`RunOutcome::Yielded`]: crate::RunOutcome::Yielded
 #[inline]
 pub fn yield_value(value: usize) {
@@ -313,7 +318,9 @@ impl Waiter {
     }
 
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
-    /// another thread, never allocates, never panics. A wake that finds the
+    /// another thread, allocates nothing itself (the scheduler it hands the
+    /// fiber to may: `spindle-run-queue` grows a priority level's buffer on
+    /// its first use), never panics. A wake that finds the
     /// fiber neither sleeping nor running (it was queued or made ready by
     /// another wake, or finished) is void. A stale waiter (a second waiter
     /// of one sleep, or one kept after the fiber moved on) that finds it
@@ -373,6 +380,11 @@ pub fn sleep() {
 
 /// Like [`sleep`], recording what the fiber waits on and the caller's
 /// location, which [`Fiber::wait_site`](crate::Fiber::wait_site) reports.
+///
+/// # Panics
+///
+/// As [`sleep`]: on an ordinary thread, and in a fiber whose function is
+/// over (from a destructor of its return value).
 #[track_caller]
 #[inline]
 pub fn sleep_on(reason: &'static WaitReason) {

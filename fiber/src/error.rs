@@ -115,7 +115,7 @@ pub enum FiberError {
     /// another thread, or on this one (the caller is that fiber, or a
     /// fiber it runs).
     Running(FiberId),
-    /// `run` on a fiber that sits in a run queue.
+    /// `run` or `set_function` on a fiber that sits in a run queue.
     Queued(FiberId),
     /// `run` or `set_function` on a fiber that sleeps on a synchronisation
     /// primitive.

@@ -60,8 +60,9 @@ impl FiberAttr {
 
     /// Usable stack bytes (rounded up to whole pages); the guard page is extra.
     ///
-    /// Anything from [`MIN_STACK_SIZE`](crate::MIN_STACK_SIZE) up is
-    /// accepted, but std's panic machinery alone needs about 8 KiB (32 KiB
+    /// Anything from [`MIN_STACK_SIZE`](crate::MIN_STACK_SIZE) to
+    /// [`MAX_STACK_SIZE`](crate::MAX_STACK_SIZE) is accepted ([`Fiber::new`]
+    /// refuses the rest), but std's panic machinery alone needs about 8 KiB (32 KiB
     /// when `RUST_BACKTRACE` is set): a fiber that may panic, format or
     /// call deep library code wants more. Overflowing aborts the process
     /// with a report naming the fiber.
@@ -281,7 +282,12 @@ impl<T> Inner<T> {
 /// sure only one party runs, queues or rewrites it at a time. The fiber and
 /// its stack are released when the last handle (including those held by run
 /// queues and wait lists) is dropped; a fiber suspended mid-function is then
-/// unwound, so destructors of its locals run.
+/// unwound, so destructors of its locals run. One exception: a suspended
+/// fiber pinned to a thread (the default) whose last handle is dropped on
+/// another thread cannot be unwound there, because its locals may be
+/// `!Send`; its stack is leaked instead, its destructors never run, and
+/// [`leaked_stacks`](crate::leaked_stacks) counts it. Drop such fibers on
+/// their own thread, or let them finish first.
 ///
 /// ```
 /// use spindle_fiber::{yield_value, Fiber, FiberAttr, Priority, RunOutcome};
@@ -368,6 +374,16 @@ impl<T: Send + 'static> Fiber<T> {
     };
 
     /// Creates a fiber with no function, taking its stack from the pool.
+    ///
+    /// The first call in a process installs a signal handler and a panic
+    /// hook (see the crate docs, "Process-wide side effects").
+    ///
+    /// # Errors
+    ///
+    /// [`FiberError::Stack`] if the stack size is below
+    /// [`MIN_STACK_SIZE`](crate::MIN_STACK_SIZE) or above
+    /// [`MAX_STACK_SIZE`](crate::MAX_STACK_SIZE), or if mapping a new stack
+    /// fails (out of memory, or the `vm.max_map_count` limit).
     pub fn new(attr: FiberAttr) -> Result<Fiber<T>, FiberError> {
         crate::overflow::install();
         crate::report::install_panic_hook();
@@ -557,6 +573,18 @@ impl<T: Send + 'static> Fiber<T> {
     /// Any handle may call `run`; a compare-and-swap on the fiber's state
     /// makes sure only one caller runs it at a time. A caller that owns the
     /// only handle can use [`run_mut`](Fiber::run_mut), which skips it.
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not ready to run, and nothing happened:
+    /// [`NoFunction`](FiberError::NoFunction) (set one first),
+    /// [`Finished`](FiberError::Finished) (its function returned or
+    /// panicked: set a new one), [`Running`](FiberError::Running),
+    /// [`Queued`](FiberError::Queued), [`Sleeping`](FiberError::Sleeping)
+    /// (someone else owns it now), [`WrongThread`](FiberError::WrongThread)
+    /// (a pinned fiber on another thread than its own), or
+    /// [`NoStack`](FiberError::NoStack). A panic in the fiber is not an
+    /// error: it comes back as [`RunOutcome::Panicked`].
     // Always inlined: a library frame live across the stack switch costs a
     // mispredicted return on every round trip, and LLVM judges the body
     // too large to inline on its own (DESIGN.md, "Claiming a fiber").
@@ -587,6 +615,10 @@ impl<T: Send + 'static> Fiber<T> {
     /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Yielded(7)));
     /// assert!(matches!(fiber.run_mut().unwrap(), RunOutcome::Returned(8)));
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Fiber::run).
     #[inline(always)]
     pub fn run_mut(&mut self) -> Result<RunOutcome<T>, FiberError> {
         if !self.is_unique() {
@@ -743,7 +775,7 @@ impl<T: Send + 'static> Fiber<T> {
         match h.state.transition_to_sleeping() {
             SleepTransition::Asleep => {}
             // A waker came between the fiber publishing its waiter and the
-            // switch: finish the wake for it (runner step 5).
+            // switch: finish the wake for it (sleeper step 4).
             // SAFETY: we hold the state `Locked`.
             SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
         }

@@ -36,6 +36,31 @@
 //!
 //! See DESIGN.md for the state machine, the sleep/wake protocol and the
 //! soundness argument for fibers that move between threads.
+//!
+//! # Platforms
+//!
+//! Unix only (the stacks are `mmap`ed and overflows are caught with a
+//! signal handler); the fast thread-local access is written for x86-64
+//! Linux, and other unix targets use `thread_local!`.
+//!
+//! # Process-wide side effects
+//!
+//! The first [`Fiber::new`] in a process installs two things that outlive
+//! every fiber:
+//!
+//! * **A `SIGSEGV`/`SIGBUS` handler** that reports a fault in a fiber's
+//!   guard page (naming the fiber) and aborts. Every other fault goes on to
+//!   the handler that was installed before (Rust's own, which reports thread
+//!   stack overflows), so code that installs its handler before the first
+//!   fiber keeps it. A handler installed *after* replaces this one and the
+//!   overflow report is lost (the process still dies on the fault). Each
+//!   thread that runs a fiber also gets an alternate signal stack, unmapped
+//!   when the thread exits, unless it already had one.
+//! * **A panic hook** that names the panicking fiber, then calls the hook
+//!   that was installed before. A hook set later with
+//!   [`std::panic::set_hook`] replaces it (reports then no longer name the
+//!   fiber); one that should keep the fiber's name can chain to
+//!   [`std::panic::take_hook`]'s result.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
