@@ -20,9 +20,13 @@ use crate::task::{JoinError, TaskCell, TaskRef};
 /// every thread is joined before `drop` returns. (Dropped inside one of its
 /// own fibers, it cannot wait for that fiber: the shutdown then runs on a
 /// thread of its own, and `drop` returns at once.) Fibers asleep on a
-/// `spindle-sync` primitive that nothing will signal are not unwound: the
-/// primitive's wait list holds them, and they leak with it (their
-/// destructors do not run, and their joins fail as cancelled).
+/// `spindle-sync` primitive are not unwound by the shutdown (their joins
+/// fail as cancelled): the primitive's wait list holds them. One signalled
+/// later is dropped where the signal comes from: unwound if that is its
+/// worker's thread (a thread-local destructor there, say), else its stack
+/// is leaked and its destructors never run; one never signalled leaks
+/// with the primitive. A [`scope`](Executor::scope) waiting for such a
+/// fiber waits until its stack is unwound, which may be never.
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -171,7 +175,10 @@ impl Executor {
 
     /// Structured concurrency: every fiber spawned on the scope is joined
     /// before `scope` returns, so they may borrow from the caller. See
-    /// [`Scope`](crate::Scope).
+    /// [`Scope`](crate::Scope). "Joined" means its stack is done: a scoped
+    /// fiber asleep on a `spindle-sync` primitive when the executor shuts
+    /// down keeps the scope waiting until something signals it (see the
+    /// shutdown notes on [`Executor`]).
     ///
     /// # Panics
     ///

@@ -140,8 +140,15 @@ impl<'scope> Scope<'scope, '_> {
         // 'scope. `scope` does not return (nor unwind past its frame)
         // before `pending` is zero, i.e. before every scoped task has been
         // dropped, and a task calls `Finish::done` only after dropping its
-        // closure and any value nobody took. So the borrows outlive every
-        // use, as with std::thread::scope.
+        // closure and any value nobody took. Once started, the closure
+        // lives on the fiber's stack, not in the task: what keeps the task
+        // (and so `Finish`) alive until that stack is done is the task
+        // reference the fiber's function holds (`runner` in
+        // `Worker::start`), dropped only when the function returns or its
+        // stack is unwound. A shutdown that completes a sleeping scoped
+        // fiber's task as cancelled therefore still waits for its stack
+        // (test `a_scoped_fiber_asleep_at_shutdown_is_unwound_before_the_scope_returns`).
+        // So the borrows outlive every use, as with std::thread::scope.
         let task = unsafe { TaskCell::create(options.name.clone(), f, Some(finish)) };
         self.handle.push(task.clone(), options_priority(&options));
         ScopedJoinHandle {

@@ -283,6 +283,11 @@ impl Worker {
         };
         let Job { task, priority } = job;
         task.started_fiber.store(fiber.id().as_u64(), Ordering::Release);
+        // The function's own counted reference, on the fiber's stack until
+        // it returns or is unwound. Scope soundness rests on it: a scoped
+        // task cannot finish (and release its scope) while its closure's
+        // borrows are still live on this stack, even when shutdown
+        // completes the task early (see `Scope::spawn_with`).
         let runner = task.clone();
         // SAFETY: this worker took the job; it runs the closure once.
         let body = move || unsafe { runner.run_job() };

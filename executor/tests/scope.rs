@@ -296,3 +296,70 @@ fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
         assert!(slow_done.is_set(), "the scope was left while a scoped fiber still used its borrow");
     });
 }
+
+/// A scoped fiber asleep on a `spindle-sync` semaphore when its executor
+/// shuts down: the shutdown completes its task as cancelled, but its stack,
+/// which borrows the scope's data, is still suspended. The scope must not
+/// return before that stack is unwound. Here the semaphore is released by a
+/// thread-local destructor of the fiber's worker as that thread exits,
+/// which unwinds the fiber there; a guard on its stack that borrows a local
+/// of this frame must have run by the time `scope` returns.
+#[test]
+fn a_scoped_fiber_asleep_at_shutdown_is_unwound_before_the_scope_returns() {
+    use std::cell::RefCell;
+    use std::sync::mpsc;
+
+    use spindle_executor::sync::Semaphore;
+    use spindle_executor::OnDeadlock;
+
+    /// Releases its semaphore when dropped (at the worker thread's exit).
+    struct Releaser(Arc<Semaphore>);
+    impl Drop for Releaser {
+        fn drop(&mut self) {
+            self.0.release(1);
+        }
+    }
+    thread_local! {
+        static RELEASE_AT_EXIT: RefCell<Option<Releaser>> = const { RefCell::new(None) };
+    }
+    /// Counts its drop in a counter the scope's caller owns.
+    struct Guard<'a>(&'a AtomicUsize);
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    watchdog("a_scoped_fiber_asleep_at_shutdown_is_unwound_before_the_scope_returns", 60, |stage| {
+        let exec = Executor::builder().workers(1).on_deadlock(OnDeadlock::Ignore).build();
+        let handle = exec.handle();
+        let (to_dropper, dropper_rx) = mpsc::channel::<Executor>();
+        let dropper = std::thread::spawn(move || drop(dropper_rx.recv().unwrap()));
+        let guard_drops = AtomicUsize::new(0);
+        let sem = Arc::new(Semaphore::new(0));
+        let mut exec = Some(exec);
+
+        handle.scope(|s| {
+            let (fiber_sem, drops) = (Arc::clone(&sem), &guard_drops);
+            let h = s.spawn(move || {
+                RELEASE_AT_EXIT.with(|r| *r.borrow_mut() = Some(Releaser(Arc::clone(&fiber_sem))));
+                let _guard = Guard(drops);
+                fiber_sem.acquire();
+            });
+            stage.set("waiting for the scoped fiber to sleep on the semaphore");
+            while sem.waiters() == 0 {
+                std::thread::yield_now();
+            }
+            stage.set("shutting the executor down on another thread");
+            to_dropper.send(exec.take().unwrap()).unwrap();
+            assert!(h.join().expect_err("the fiber never returns").is_cancelled());
+            stage.set("scope waiting for the fiber's stack to be unwound");
+        });
+        assert_eq!(
+            guard_drops.load(Ordering::SeqCst),
+            1,
+            "the scoped fiber's stack, which borrows this frame, was unwound before the scope returned"
+        );
+        dropper.join().unwrap();
+    });
+}

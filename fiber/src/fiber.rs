@@ -345,6 +345,19 @@ impl<T> Inner<T> {
 /// unsafe { f.set_function_migratable(Default::default(), move || *rc) }.unwrap();
 /// ```
 ///
+/// A fiber is invariant in `T`: it both takes a function returning `T`
+/// and hands `T` out, so a handle must not be usable at another type
+/// (a clone typed with a shorter lifetime could set a function whose value
+/// another handle then reads as longer-lived):
+///
+/// ```compile_fail
+/// use spindle_fiber::Fiber;
+///
+/// fn shorten<'a>(f: Fiber<&'static str>) -> Fiber<&'a str> {
+///     f
+/// }
+/// ```
+///
 /// Errors are plain `Send + Sync` values:
 ///
 /// ```
@@ -354,9 +367,14 @@ impl<T> Inner<T> {
 /// ```
 pub struct Fiber<T = ()> {
     inner: NonNull<Inner<T>>,
-    /// A counted share of the `Inner` (Send and Sync are stated below).
-    _owns: PhantomData<Arc<Inner<T>>>,
+    /// A counted share of the `Inner` (Send and Sync are stated below),
+    /// invariant in `T` on purpose: the `UnsafeCell` in `Inner` makes it so
+    /// already, but soundness should not rest on a field's type.
+    _owns: PhantomData<OwnsInvariant<T>>,
 }
+
+/// `Fiber<T>`'s marker: a counted share of `Inner<T>`, invariant in `T`.
+type OwnsInvariant<T> = (Arc<Inner<T>>, fn(T) -> T);
 
 // SAFETY: all shared mutation goes through the state machine (atomics) or
 // is confined to the exclusive owner of the state; the function captured
