@@ -44,6 +44,17 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     builder.check(f);
 }
 
+/// `model` one preemption below the bound the others use, but never below 2,
+/// for `set_aside_wakes_every_parked_popper`: four model threads, whose
+/// exploration at 3 takes minutes, and whose case takes two preemptions
+/// (at 1 its check that the case was reached fails).
+fn model_one_below(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    let bound = builder.preemption_bound.unwrap_or(DEFAULT_PREEMPTIONS);
+    builder.preemption_bound = Some(bound.saturating_sub(1).max(2));
+    builder.check(f);
+}
+
 /// Long enough that nothing times out; under loom it is not modelled anyway.
 const FOREVER: Duration = Duration::from_secs(3600);
 
@@ -54,6 +65,27 @@ fn fiber(f: impl FnOnce() + Send + 'static) -> Fiber<()> {
     // reference across their suspension points.
     unsafe { fiber.set_function_migratable(Priority::NORMAL, f) }.unwrap();
     fiber
+}
+
+/// A fiber pinned to the calling (model) thread, asleep: pushed, run once
+/// here by `run_next` (the safe `set_function` pins it to the thread of its
+/// first run), it publishes its `Waiter` in the returned slot and sleeps.
+/// Waking it puts it back onto `q` (its home), where only this thread may
+/// pop it; when it runs again it returns.
+fn pinned_sleeper(q: &RunQueue<()>) -> Arc<Mutex<Option<Waiter>>> {
+    let slot: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
+    let f = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
+    {
+        let slot = slot.clone();
+        f.set_function(Priority::NORMAL, move || {
+            *slot.lock().unwrap() = Some(Waiter::current().unwrap());
+            sleep();
+        })
+        .unwrap();
+    }
+    q.try_push(f).unwrap();
+    assert!(matches!(q.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+    slot
 }
 
 /// A popper that may park before, during or after the push: it must get the
@@ -222,19 +254,8 @@ fn set_aside_reaches_parked_owner() {
     static SET_ASIDE_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     model(|| {
         let q: RunQueue<()> = RunQueue::new(4);
-        let slot: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
-        let f = Fiber::new(FiberAttr::new().stack_size(16 * 1024)).unwrap();
-        {
-            let slot = slot.clone();
-            f.set_function(Priority::NORMAL, move || {
-                *slot.lock().unwrap() = Some(Waiter::current().unwrap());
-                sleep();
-            })
-            .unwrap();
-        }
-        q.try_push(f).unwrap();
         // This (model) thread runs it first: it is pinned here now.
-        assert!(matches!(q.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        let slot = pinned_sleeper(&q);
         let other = {
             let q = q.clone();
             thread::spawn(move || {
@@ -265,5 +286,141 @@ fn set_aside_reaches_parked_owner() {
     assert!(
         SET_ASIDE_SEEN.load(std::sync::atomic::Ordering::Relaxed),
         "no explored interleaving set the fiber aside"
+    );
+}
+
+/// One execution of the set-aside models below. Threads: the owner of a
+/// pinned, sleeping fiber (the calling thread), `others` poppers that may run
+/// only migratable fibers, and a waker that wakes the owner's fiber and then
+/// pops (its first polls are `pop_timeout`'s spin phase, `try_pop_quiet`).
+/// The wake puts the fiber back through its home (`Schedule::schedule` →
+/// `Shared::insert`: pusher steps 1-2, one `notify_one`); a non-owner that
+/// pops it sets it aside for the owner and must wake it. The owner, once it
+/// has run its fiber, pushes one migratable fiber for each other popper and
+/// the waker.
+///
+/// Returns whether this execution reached the case the models are for: when
+/// the wake came, every other popper was parked ahead of the owner on the
+/// condvar (loom's is FIFO: popper step 2 in that order), and the fiber was
+/// set aside. Before the wake nothing has notified anyone, so the count of
+/// parks is the count of parked poppers: the owner sees `others` before it
+/// parks, the waker sees `others + 1` before it wakes the fiber. Which popper
+/// set the fiber aside (one woken from step 2, or the waker in its spin
+/// phase) is not observed here; removing either notification shows that
+/// the models explore both (docs/loom.md).
+fn owner_behind_parked_poppers(others: usize) -> bool {
+    let q: RunQueue<()> = RunQueue::new(4);
+    let slot = pinned_sleeper(&q);
+    let poppers: Vec<_> = (0..others)
+        .map(|_| {
+            let q = q.clone();
+            thread::spawn(move || {
+                let f = q.pop_timeout(FOREVER).expect("every other popper gets a fiber it may run");
+                assert!(
+                    matches!(q.run_popped(f).outcome, Ok(RunOutcome::Returned(()))),
+                    "another popper ran only a fiber it may run"
+                );
+            })
+        })
+        .collect();
+    let waker = {
+        let q = q.clone();
+        thread::spawn(move || {
+            let waiter = slot.lock().unwrap().take().expect("the fiber published its waiter");
+            // Not kept while parked: a loom `Arc` dropped while unwinding
+            // from loom's deadlock report aborts the process instead.
+            drop(slot);
+            let parked = q.stats().parks;
+            waiter.wake();
+            let f = q.pop_timeout(FOREVER).expect("the waker gets a fiber it may run");
+            assert!(
+                matches!(q.run_popped(f).outcome, Ok(RunOutcome::Returned(()))),
+                "the waker ran only a fiber it may run"
+            );
+            parked
+        })
+    };
+    let parked_ahead = q.stats().parks;
+    let f = q.pop_timeout(FOREVER).expect("the owner gets its woken fiber");
+    assert!(matches!(q.run_popped(f).outcome, Ok(RunOutcome::Returned(()))));
+    // A fiber anyone may run for each of the other poppers and the waker.
+    for _ in 0..=others {
+        q.try_push(fiber(|| ())).unwrap();
+    }
+    let parked_at_wake = waker.join().unwrap();
+    for p in poppers {
+        p.join().unwrap();
+    }
+    let s = q.stats();
+    assert_eq!(s.wakes, 1);
+    assert!(s.wrong_thread <= 1, "{s:?}");
+    assert!(q.is_empty());
+    parked_ahead == others as u64 && parked_at_wake == others as u64 + 1 && s.wrong_thread == 1
+}
+
+/// The set-aside made in a popper's spin phase: `RunQueue::pop_timeout`'s
+/// polls (`try_pop_quiet`) end in `Shared::finish_pop`, whose `notify_all`
+/// runs when the pop set a fiber aside. (The set-aside made after parking,
+/// in `pop_timeout`'s loop, has its own `notify_all`, under the lock; that
+/// one is `set_aside_reaches_parked_owner`'s.) One other popper: three model
+/// threads.
+///
+/// The interleaving that needs `finish_pop`'s notification: the other popper
+/// and then the owner park (popper step 2); the wake's insert counts two
+/// sleepers and notifies one, the other popper (pusher step 2); before that
+/// popper takes the lock again (back to step 1), the waker's first poll
+/// takes it, pops the fiber, may not run it and sets it aside. The other
+/// popper then finds nothing it may run and parks again, and the waker's
+/// next poll and its step 1 find nothing either: only `finish_pop`'s
+/// notification, from the waker's spin phase, wakes the owner. Without it
+/// every thread stays parked and loom reports the deadlock. (A `notify_one`
+/// there would do in this shape, since the wake's notification took the
+/// other popper off the condvar: `set_aside_wakes_every_parked_popper` is
+/// the one that needs `notify_all`.)
+#[test]
+fn spin_phase_set_aside_reaches_parked_owner() {
+    static SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    model(|| {
+        if owner_behind_parked_poppers(1) {
+            SEEN.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    assert!(
+        SEEN.load(std::sync::atomic::Ordering::Relaxed),
+        "no explored interleaving set the fiber aside with the owner parked behind the other popper"
+    );
+}
+
+/// `notify_all` against `notify_one`. A pusher (`Shared::insert`, pusher
+/// step 2) notifies one parked popper, since any of them may take its fiber;
+/// a popper that sets a fiber aside must wake every parked popper, since it
+/// cannot pick out the thread the fiber is for. Both set-aside notifications
+/// are covered: `pop_timeout`'s in its loop (a popper woken from step 2
+/// sets the fiber aside) and `Shared::finish_pop`'s (the waker's spin phase
+/// does). Two other poppers: four model threads.
+///
+/// The interleaving that needs the `all`: both other poppers park, then the
+/// owner; the wake's insert notifies the first other popper; it, or the
+/// waker's first poll, sets the fiber aside. A `notify_one` there would wake
+/// the second other popper, which is ahead of the owner: it finds nothing
+/// it may run and parks again, as do the first one and the waker, and the
+/// owner is never woken: loom reports the deadlock. With fewer poppers ahead
+/// of the owner the two do not differ (the wake's own notification takes
+/// the only one), hence the second other popper.
+///
+/// Run one preemption below the other models, at 2 in CI (`model_one_below`):
+/// at 3 this model takes about three and a half minutes, at 2 about ten
+/// seconds, and the interleavings above take two preemptions.
+#[test]
+fn set_aside_wakes_every_parked_popper() {
+    static SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    model_one_below(|| {
+        if owner_behind_parked_poppers(2) {
+            SEEN.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    assert!(
+        SEEN.load(std::sync::atomic::Ordering::Relaxed),
+        "no explored interleaving set the fiber aside with the owner parked behind both other poppers"
     );
 }
