@@ -289,6 +289,14 @@ impl<T> Inner<T> {
 /// [`leaked_stacks`](crate::leaked_stacks) counts it. Drop such fibers on
 /// their own thread, or let them finish first.
 ///
+/// The unwind of a dropped fiber is a Rust unwind through its stack, and
+/// aborts the process where any unwind would: a destructor on that stack
+/// that panics (a panic during cleanup), or a suspension point inside an
+/// `extern "C"` function (a frame that cannot unwind). Let such fibers
+/// finish instead of dropping them suspended. In a build with
+/// `panic = "abort"` there is no unwinding: a suspended fiber that is
+/// dropped has its stack leaked and counted, as above.
+///
 /// ```
 /// use spindle_fiber::{yield_value, Fiber, FiberAttr, Priority, RunOutcome};
 ///
@@ -820,20 +828,27 @@ impl<T: Send + 'static> Fiber<T> {
     /// scheduler a wake sends the fiber back to (`None` keeps the home it
     /// has; [`set_home`](Fiber::set_home) clears it). Undo with
     /// [`mark_dequeued`](Fiber::mark_dequeued) if the fiber is not queued
-    /// after all.
+    /// after all. A home it replaces is dropped before this returns (after
+    /// the fiber is `Queued`): if that was its last reference, whatever
+    /// that scheduler owns is dropped here, inside the caller's locks.
     pub fn mark_queued(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
         let h = self.header();
         h.state
             .transition(FiberState::Ready, FiberState::Locked)
             .map_err(|s| self.run_error(s))?;
+        let mut replaced = None;
         if let Some(home) = home {
             // SAFETY: we hold the state `Locked`.
             let slot = unsafe { self.slot() };
             if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
-                slot.home = Some(Arc::clone(home));
+                replaced = slot.home.replace(Arc::clone(home));
             }
         }
         h.state.store(FiberState::Queued);
+        // The previous home goes only now: if this was its last reference,
+        // its drop runs whatever it owns, which must not find this fiber
+        // `Locked` (nor leave it so, should it panic).
+        drop(replaced);
         Ok(())
     }
 
@@ -847,11 +862,13 @@ impl<T: Send + 'static> Fiber<T> {
             .map_err(|s| self.run_error(s))?;
         // SAFETY: we hold the state `Locked`.
         let slot = unsafe { self.slot() };
-        match (home, &slot.home) {
-            (Some(new), Some(cur)) if Arc::ptr_eq(new, cur) => {}
-            _ => slot.home = home.cloned(),
-        }
+        let replaced = match (home, &slot.home) {
+            (Some(new), Some(cur)) if Arc::ptr_eq(new, cur) => None,
+            _ => std::mem::replace(&mut slot.home, home.cloned()),
+        };
         h.state.store(FiberState::Ready);
+        // As in `mark_queued`: the previous home is dropped unlocked.
+        drop(replaced);
         Ok(())
     }
 
@@ -1097,7 +1114,10 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // The thread's id word, not `thread_id()`: a thread with no id yet
         // (0) cannot be a fiber's pin, and dropping a fiber should not give
         // it one (with the overflow handler's alternate stack).
-        let unwind = slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
+        // Built with `panic = "abort"`, a forced unwind would abort the
+        // process: the stack is leaked (and counted) instead.
+        let unwind = cfg!(panic = "unwind")
+            && slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
             && (slot.migratable || slot.pin == crate::tls::thread_id_word());
         (unwind, slot.pool)
     };
@@ -1174,12 +1194,28 @@ impl<T> Drop for Inner<T> {
                 // Never ran: drop the closure (it is Send, so any thread
                 // will do). No current fiber: the closure's destructor does not run
                 // inside the fiber.
-                if catch_unwind(AssertUnwindSafe(|| coro.force_unwind())).is_ok() {
-                    slot.stack = Some(coro.into_stack());
-                } else {
-                    // A capture's destructor panicked: as in `install`.
-                    let _ = ManuallyDrop::new(coro);
-                    crate::report::note_leaked_stack();
+                match catch_unwind(AssertUnwindSafe(|| coro.force_unwind())) {
+                    Ok(()) => slot.stack = Some(coro.into_stack()),
+                    Err(payload) => {
+                        // A capture's destructor panicked (contained: a
+                        // drop does not panic), or it suspended the fiber
+                        // this drop runs in, and that fiber is being
+                        // unwound now because it was dropped: that unwind
+                        // must go on through the fiber's frames (as in
+                        // `install`), or its code after this drop would
+                        // run inside its own drop. Either way the closure
+                        // and the stack are leaked.
+                        let _ = ManuallyDrop::new(coro);
+                        crate::report::note_leaked_stack();
+                        let current = crate::current::current_header();
+                        // SAFETY: a non-null current fiber is the one
+                        // running on this thread, alive while it runs.
+                        let dropping_current = unsafe { current.as_ref() }
+                            .is_some_and(|h| h.unwinding_for_drop.load(Ordering::Relaxed));
+                        if dropping_current && !std::thread::panicking() {
+                            std::panic::resume_unwind(payload);
+                        }
+                    }
                 }
             } else {
                 // Suspended, and `release` could not unwind it here: a

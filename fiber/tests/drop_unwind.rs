@@ -705,3 +705,111 @@ fn a_waiter_kept_by_a_destructor_and_dropped_on_another_thread_frees_the_fiber_s
         assert_eq!(other.join().unwrap(), rounds, "every destructor sent its waiter");
     });
 }
+
+/// A fiber X drops an unstarted fiber F whose capture yields in its drop:
+/// that yield suspends X (the capture is dropped on X's stack, X current).
+/// Dropping X then unwinds it from inside F's drop; the unwind must go on
+/// through X's frames, not be taken for a panic of F's capture and stopped
+/// there, which ran X's code after `drop(f)` inside `drop(x)`.
+#[test]
+fn an_unwind_that_starts_in_an_unstarted_fibers_capture_drop_goes_on() {
+    let _serial = leak_count_lock();
+    struct YieldsInDrop;
+    impl Drop for YieldsInDrop {
+        fn drop(&mut self) {
+            yield_now();
+        }
+    }
+    let after_drop = Arc::new(AtomicBool::new(false));
+    let x_locals = counter();
+    let x = Fiber::<()>::new(FiberAttr::new().name("x")).unwrap();
+    {
+        let (after_drop, x_locals) = (after_drop.clone(), x_locals.clone());
+        x.set_function(Priority::NORMAL, move || {
+            let _local = DropCounter(x_locals);
+            let f = Fiber::<()>::new(FiberAttr::new().name("f")).unwrap();
+            let captured = YieldsInDrop;
+            f.set_function(Priority::NORMAL, move || {
+                let _keep = &captured;
+            })
+            .unwrap();
+            drop(f);
+            after_drop.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    }
+    assert!(
+        matches!(x.run().unwrap(), RunOutcome::Yielded(0)),
+        "x suspended inside f's drop"
+    );
+    let leaked_before = leaked_stacks();
+    drop(x);
+    assert!(
+        !after_drop.load(Ordering::SeqCst),
+        "x's code after `drop(f)` ran while x was being unwound"
+    );
+    assert_eq!(
+        x_locals.load(Ordering::SeqCst),
+        1,
+        "x's locals were dropped by the unwind"
+    );
+    assert_eq!(
+        leaked_stacks() - leaked_before,
+        1,
+        "f's stack, whose closure drop never finished, is leaked"
+    );
+}
+
+/// `mark_queued` and `set_home` drop a home they replace only once the
+/// fiber is out of `Locked`: a scheduler dropped there (its last reference
+/// was the fiber's) sees the fiber `Queued` or `Ready`, never locked.
+#[test]
+fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {
+    use spindle_fiber::{FiberState, Schedule};
+
+    struct Recorder {
+        fiber: Mutex<Option<Fiber<()>>>,
+        seen: Arc<Mutex<Option<FiberState>>>,
+    }
+    impl Schedule<()> for Recorder {
+        fn schedule(&self, fiber: Fiber<()>) {
+            drop(fiber);
+        }
+    }
+    impl Drop for Recorder {
+        fn drop(&mut self) {
+            if let Some(f) = self.fiber.lock().unwrap().take() {
+                *self.seen.lock().unwrap() = Some(f.state());
+            }
+        }
+    }
+    let recorder_home = |f: &Fiber<()>, seen: &Arc<Mutex<Option<FiberState>>>| -> Arc<dyn Schedule<()>> {
+        Arc::new(Recorder {
+            fiber: Mutex::new(Some(f.clone())),
+            seen: seen.clone(),
+        })
+    };
+    let other: Arc<dyn Schedule<()>> = Arc::new(Recorder {
+        fiber: Mutex::new(None),
+        seen: Arc::new(Mutex::new(None)),
+    });
+
+    let f = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    f.set_function(Priority::NORMAL, || ()).unwrap();
+    for via_mark_queued in [true, false] {
+        let seen = Arc::new(Mutex::new(None));
+        let home = recorder_home(&f, &seen);
+        f.set_home(Some(&home)).unwrap();
+        drop(home); // the fiber holds its last reference now
+        if via_mark_queued {
+            f.mark_queued(Some(&other)).unwrap();
+            assert_eq!(*seen.lock().unwrap(), Some(FiberState::Queued));
+            f.mark_dequeued().unwrap();
+        } else {
+            f.set_home(Some(&other)).unwrap();
+            assert_eq!(*seen.lock().unwrap(), Some(FiberState::Ready));
+        }
+    }
+    f.set_home(None).unwrap();
+    assert!(matches!(f.run().unwrap(), RunOutcome::Returned(())));
+}

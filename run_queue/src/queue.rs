@@ -257,7 +257,8 @@ impl<T> std::error::Error for PushError<T> {}
 /// A fiber taken from the queue and run by [`RunQueue::run_next`].
 #[derive(Debug)]
 pub struct Ran<T> {
-    /// The fiber (already back in the queue if it yielded).
+    /// The fiber (already back in the queue if it yielded, unless another
+    /// handle queued it somewhere meanwhile).
     pub fiber: Fiber<T>,
     /// What running it returned (`Fiber::run_mut`).
     pub outcome: Result<RunOutcome<T>, FiberError>,
@@ -267,6 +268,12 @@ pub struct Ran<T> {
 ///
 /// Cloning gives another handle to the same queue. Fibers pushed here are
 /// woken back here by `spindle-sync` primitives.
+///
+/// The last handle releases the fibers still queued. A handle held by a
+/// queued fiber's function (to push more fibers, say) counts too: once
+/// every other handle is gone, the queue and that fiber keep each other
+/// alive, as an `Arc` cycle does, and nothing is released. Let such fibers
+/// finish, or have them drop their handle.
 pub struct RunQueue<T = ()> {
     shared: Arc<Shared<T>>,
     /// The same allocation as `shared`, as the fiber's wake seam.
@@ -419,9 +426,10 @@ impl<T: Send + 'static> RunQueue<T> {
         // Usually the queue held the only reference: no atomic claim.
         let outcome = fiber.run_mut();
         match outcome {
+            // Refused only if another handle queued (or marked) it
+            // meanwhile: it is someone else's then.
             Ok(RunOutcome::Yielded(_)) => {
-                let requeued = self.requeue(&fiber);
-                debug_assert!(requeued.is_ok(), "a fiber that just yielded is Ready: {requeued:?}");
+                let _ = self.requeue(&fiber);
             }
             Err(FiberError::WrongThread(_)) => self.wrong_thread(&fiber),
             _ => {}
