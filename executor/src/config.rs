@@ -17,13 +17,23 @@ pub(crate) struct Config {
     pub(crate) stats_at_shutdown: bool,
 }
 
+/// The most workers an executor runs (base or scaled up). Every possible
+/// worker has a slot from the start (about 11 KiB each), and more threads
+/// than this would only contend.
+pub const MAX_WORKERS: usize = 1024;
+
 /// What deadlock detection does when it finds one (`Ignore`: detection is
 /// off).
 ///
 /// Detection sees the executor only. A fiber asleep on a primitive that a
 /// thread outside the executor will signal (a plain thread feeding a
-/// channel, say) looks deadlocked once that thread has been quiet for the
-/// grace period ([`Builder::deadlock_grace`]). Programs whose fibers wait
+/// channel, say, or a fiber of another executor, which counts as outside
+/// too, even when it is only sleeping on a timer) looks deadlocked once
+/// that thread has been quiet for the grace period
+/// ([`Builder::deadlock_grace`]). A thread waiting in
+/// [`Executor::scope`](crate::Executor::scope) for its fibers is not a
+/// join that detection fails: a scope whose fibers can never finish hangs
+/// without a report. Programs whose fibers wait
 /// for such threads use [`Report`](OnDeadlock::Report) or
 /// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,7 +103,12 @@ impl Builder {
     /// Initial (base) number of workers. Default: `SPINDLE_WORKERS` if set
     /// (a value that is not a number is reported on stderr and ignored),
     /// else the number of available cores. 0 counts as 1.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is more than [`MAX_WORKERS`].
     pub fn workers(mut self, n: usize) -> Builder {
+        assert!(n <= MAX_WORKERS, "spindle-executor: Builder::workers({n}): at most {MAX_WORKERS} workers");
         self.workers = Some(n.max(1));
         self
     }
@@ -101,7 +116,15 @@ impl Builder {
     /// Most workers auto-scaling may add up to. Default: twice the cores.
     /// A value below the base count (see [`workers`](Builder::workers)) is
     /// raised to it, which turns auto-scaling off; 0 counts as 1.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is more than [`MAX_WORKERS`].
     pub fn max_workers(mut self, n: usize) -> Builder {
+        assert!(
+            n <= MAX_WORKERS,
+            "spindle-executor: Builder::max_workers({n}): at most {MAX_WORKERS} workers"
+        );
         self.max_workers = Some(n.max(1));
         self
     }
@@ -190,17 +213,17 @@ impl Builder {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let env_workers =
             std::env::var("SPINDLE_WORKERS").ok().and_then(|v| match v.trim().parse::<usize>() {
-                Ok(n) => Some(n),
-                Err(_) => {
+                Ok(n) if n <= MAX_WORKERS => Some(n),
+                _ => {
                     eprintln!(
-                        "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers; using the \
-                     default, one per available core"
+                        "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers up to \
+                         {MAX_WORKERS}; using the default, one per available core"
                     );
                     None
                 }
             });
-        let base = self.workers.or(env_workers).unwrap_or(cores).max(1);
-        let max = self.max_workers.unwrap_or(2 * cores).max(base);
+        let base = self.workers.or(env_workers).unwrap_or(cores).clamp(1, MAX_WORKERS);
+        let max = self.max_workers.unwrap_or(2 * cores).clamp(base, MAX_WORKERS);
         Config {
             base_workers: base,
             max_workers: max,

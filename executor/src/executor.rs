@@ -12,6 +12,9 @@ use crate::config::{Builder, Config};
 use crate::shared::{Job, Shared};
 use crate::task::{JoinError, TaskCell, TaskRef};
 
+/// What a fiber blocked in [`JoinHandle::join`] waits on, in reports.
+static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (JoinHandle::join)");
+
 /// An M:N pool of worker threads running fibers.
 ///
 /// Dropping it shuts it down: workers and sysmon stop, fibers still queued
@@ -272,8 +275,11 @@ impl Handle {
         match crate::worker::current_worker() {
             // From one of this executor's fibers: its worker is busy
             // running it, so shutdown cannot get past it before the push
-            // is done, and the worker drains its own queue.
-            Some(w) if Arc::ptr_eq(&w.shared, shared) => {
+            // is done, and the worker drains its own queue. (Code on a
+            // worker outside its fibers, a task's value dropped in the
+            // worker loop say, spawns as from outside: it may go on to
+            // block this worker in a join, stranding a local job.)
+            Some(w) if Arc::ptr_eq(&w.shared, shared) && crate::ops::current_task().is_some() => {
                 if shared.shutdown.load(Ordering::Acquire) {
                     return cancel_unstarted(shared, job);
                 }
@@ -385,7 +391,8 @@ fn wait_quiescent(shared: &Shared) {
         if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
             eprintln!(
                 "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
-                 (a fiber that never yields keeps its worker busy)"
+                 (a fiber that never yields keeps its worker busy; so does one that catches the \
+                 cancellation unwind with catch_unwind and goes on: let it resume_unwind)"
             );
             warned = true;
         }
@@ -526,13 +533,13 @@ impl<T: Send> JoinHandle<T> {
             // it was dropped) waits as a thread does.
             if spindle_fiber::may_sleep() {
                 crate::ops::check_cancel();
-                task.done.acquire();
+                task.done.acquire_for(&JOINING);
                 crate::ops::check_cancel();
             } else {
                 // A blocked thread: visible to deadlock detection.
                 self.shared.blocked_joiners.lock().push(task.clone());
                 self.shared.sysmon_unparker.unpark();
-                task.done.acquire();
+                task.done.acquire_for(&JOINING);
                 let mut joiners = self.shared.blocked_joiners.lock();
                 if let Some(i) = joiners.iter().position(|t| std::ptr::eq(&**t, &**task)) {
                     joiners.swap_remove(i);
@@ -587,7 +594,10 @@ impl<T: Send> JoinHandle<T> {
         self.task.finished.load(Ordering::Acquire)
     }
 
-    /// The fiber's id, once it has started.
+    /// The id of the fiber running the task, once it has started. The
+    /// executor reuses fibers, so tasks that ran one after another may
+    /// report the same id (and panic reports name the same fiber); name a
+    /// task ([`SpawnOptions::name`]) to tell tasks apart.
     pub fn fiber_id(&self) -> Option<FiberId> {
         FiberId::from_u64(self.task.started_fiber.load(Ordering::Acquire))
     }

@@ -118,7 +118,7 @@ mod task;
 mod timer;
 mod worker;
 
-pub use config::{Builder, OnDeadlock};
+pub use config::{Builder, OnDeadlock, MAX_WORKERS};
 pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
 pub use ops::{sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
 pub use scope::{Scope, ScopedJoinHandle};

@@ -32,8 +32,13 @@ fn task_head(raw: usize) -> &'static TaskHead {
 }
 
 /// Unwinds the calling fiber if its task was cancelled or its executor is
-/// shutting down.
+/// shutting down. Not while the fiber is unwinding already (a destructor
+/// that yields, sleeps or joins during the cancel's own unwind): a second
+/// unwind from there would abort the process.
 pub(crate) fn check_cancel() {
+    if std::thread::panicking() {
+        return;
+    }
     if let Some((raw, w)) = current_task() {
         if task_head(raw).cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
             std::panic::resume_unwind(Box::new(Cancelled));
@@ -51,7 +56,12 @@ where
     F: FnOnce() -> T + Send + 'static,
     T: Send + 'static,
 {
-    Handle::current().expect("spindle_executor::spawn called outside an executor's fiber").spawn(f)
+    Handle::current()
+        .expect(
+            "spindle_executor::spawn called outside an executor's fiber: spawn with Executor::spawn, or \
+             through a Handle (Executor::handle)",
+        )
+        .spawn(f)
 }
 
 /// Lets other fibers run; the caller goes to the back of its worker's

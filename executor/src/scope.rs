@@ -106,7 +106,8 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
         self.inner.wake()
     }
 
-    /// The fiber's id, once it has started.
+    /// The id of the fiber running the task, once it has started; see
+    /// [`JoinHandle::fiber_id`] (fibers are reused).
     pub fn fiber_id(&self) -> Option<spindle_fiber::FiberId> {
         self.inner.fiber_id()
     }

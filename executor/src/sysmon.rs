@@ -58,8 +58,10 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             if stalled >= shared.config.time_slice && !w.hot.preempt.swap(true, Ordering::Relaxed) {
                 crate::trace_event!(worker = w.index, "time slice overrun");
             }
-            // Only a worker inside a fiber is stuck; one that is searching
-            // or was descheduled by the OS between fibers is not.
+            // Only a worker inside a fiber, or running user code outside
+            // one (`BUSY_OUTSIDE_FIBER`: a task's value dropped in its
+            // loop), is stuck; one that is searching or was descheduled by
+            // the OS between fibers is not.
             if stalled >= shared.config.stuck_threshold && w.hot.running_fiber.load(Ordering::Relaxed) != 0 {
                 stuck = true;
             }

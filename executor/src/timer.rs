@@ -95,13 +95,18 @@ impl Timers {
                 }
                 w
             };
+            // The entry's task reference goes before the wake: while the
+            // fiber sleeps, its own references keep the task alive, so this
+            // one is not the last. Dropped after the wake, it often was (the
+            // woken fiber finished first), and the task's value, with
+            // whatever its `Drop` does, was dropped on this thread (sysmon).
+            drop(entry);
             if let Some(w) = waiter {
                 w.wake();
                 fired += 1;
             }
             // The fiber is in its inbox now (or was woken some other way);
             // `_firing` lowers the count (on an unwind too).
-            drop(entry);
         }
     }
 
@@ -110,6 +115,8 @@ impl Timers {
         let entries = std::mem::take(&mut self.map.lock().0);
         for (_, e) in entries {
             let w = e.task.sleep.lock().waiter.take();
+            // As in `fire_due`: the task reference before the wake.
+            drop(e);
             if let Some(w) = w {
                 w.wake();
             }

@@ -300,6 +300,7 @@ impl Worker {
     /// A job cancelled (or shut down) before it started: drop its closure
     /// here and fail its join.
     fn drop_job(&self, job: Job) {
+        let _busy = BusyOutsideFiber::new(self.me());
         // SAFETY: we hold the job; its closure is dropped, never run.
         unsafe { job.task.drop_job() };
         let name = job.task.name.clone();
@@ -319,6 +320,9 @@ impl Worker {
     }
 
     fn complete(&self, task: TaskRef, err: Option<JoinError>) {
+        // Dropping the task may drop a value nobody joined, whose `Drop`
+        // is user code that may block (even join another task).
+        let _busy = BusyOutsideFiber::new(self.me());
         let c = &self.me().hot.counters;
         if matches!(err, Some(JoinError::Cancelled { .. })) {
             WorkerCounters::bump(&c.cancelled);
@@ -327,6 +331,8 @@ impl Worker {
         // stats sees its task counted.
         c.completed.store(c.completed.load(Ordering::Relaxed) + 1, Ordering::Release);
         task.complete(err);
+        // Inside `_busy` (a parameter would be dropped after it).
+        drop(task);
     }
 
     fn idle(&mut self, parker: &Parker) {
@@ -466,4 +472,29 @@ fn take_task(fiber: &Task) -> TaskRef {
     fiber.set_sched_data(0);
     // SAFETY: set in `start` from `TaskRef::into_raw`; taken once.
     unsafe { TaskRef::from_raw(raw) }
+}
+
+/// `running_fiber` while a worker runs user code outside any fiber (a
+/// task's value or closure dropped in the worker loop): never a fiber id,
+/// and not 0, so sysmon counts the worker as stuck if that code blocks,
+/// and adds a worker for the work it strands.
+pub(crate) const BUSY_OUTSIDE_FIBER: u64 = u64::MAX;
+
+/// Marks the worker [`BUSY_OUTSIDE_FIBER`] until dropped, then puts back
+/// what was there (guards nest).
+struct BusyOutsideFiber<'a>(&'a WorkerShared, u64);
+
+impl<'a> BusyOutsideFiber<'a> {
+    fn new(me: &'a WorkerShared) -> BusyOutsideFiber<'a> {
+        // Only the worker's own thread writes the word: no swap needed.
+        let before = me.hot.running_fiber.load(Ordering::Relaxed);
+        me.hot.running_fiber.store(BUSY_OUTSIDE_FIBER, Ordering::Relaxed);
+        BusyOutsideFiber(me, before)
+    }
+}
+
+impl Drop for BusyOutsideFiber<'_> {
+    fn drop(&mut self) {
+        self.0.hot.running_fiber.store(self.1, Ordering::Relaxed);
+    }
 }

@@ -268,3 +268,76 @@ fn cancel_many_yielding_fibers_at_once() {
         assert!(flags.iter().all(Flag::is_set), "every fiber's local was dropped");
     });
 }
+
+/// A destructor that reaches a cancellation point (a yield, a sleep, a
+/// join) while the cancel's own unwind runs it: the point does not unwind
+/// a second time (which aborted the process: "panic in a destructor during
+/// cleanup"), the destructor finishes, and the join reports the cancel.
+/// The same at shutdown. In a child process, since the failure is an abort.
+#[test]
+fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
+    const CHILD: &str = "SPINDLE_TEST_CANCEL_POINT_IN_DESTRUCTOR";
+    let name = "a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind";
+    if std::env::var(CHILD).is_ok() {
+        /// Reaches a cancellation point in its drop, then counts the drop.
+        struct Guard(u8, Arc<AtomicU64>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                match self.0 {
+                    0 => yield_now(),
+                    1 => sleep(Duration::from_millis(1)),
+                    _ => assert_eq!(spindle_executor::spawn(|| 7).join().unwrap(), 7),
+                }
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let exec = Executor::builder().workers(2).build();
+        let drops = Arc::new(AtomicU64::new(0));
+        for kind in 0..3u8 {
+            let (d, started) = (drops.clone(), Arc::new(Semaphore::new(0)));
+            let s = started.clone();
+            let h = exec.spawn(move || {
+                let _g = Guard(kind, d);
+                s.release(1);
+                loop {
+                    sleep(Duration::from_millis(5));
+                }
+            });
+            started.acquire();
+            h.cancel();
+            assert!(h.join().expect_err("cancelled").is_cancelled(), "kind {kind}");
+        }
+        assert_eq!(drops.load(Ordering::SeqCst), 3, "every destructor finished");
+        // And at shutdown: a fiber whose destructor yields, left running.
+        let started = Arc::new(Semaphore::new(0));
+        let (d, s) = (drops.clone(), started.clone());
+        let h = exec.spawn(move || {
+            let _g = Guard(0, d);
+            s.release(1);
+            loop {
+                sleep(Duration::from_millis(5));
+            }
+        });
+        started.acquire();
+        drop(exec);
+        assert!(h.join().expect_err("shut down").is_cancelled());
+        assert_eq!(drops.load(Ordering::SeqCst), 4, "the destructor finished at shutdown");
+        println!("child passed");
+        return;
+    }
+    let out = common::run_child_watched(
+        name,
+        60,
+        std::process::Command::new("sh")
+            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+            .arg(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("RUST_BACKTRACE", "0"),
+    );
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child passed"),
+        "a cancellation point reached during the cancel's unwind must not abort:\n{}",
+        common::describe(&out)
+    );
+}

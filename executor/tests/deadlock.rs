@@ -100,6 +100,10 @@ fn a_fiber_joining_a_fiber_that_waits_forever_is_reported_by_name() {
         assert!(err.is_deadlock(), "{report}");
         assert!(report.contains("'waiter'") && report.contains("'joiner'"), "{report}");
         assert!(report.contains("deadlock.rs:"), "wait sites point into this file:\n{report}");
+        assert!(
+            report.contains("a join (JoinHandle::join)") && report.contains("a semaphore"),
+            "each fiber's wait is named for what it waits on:\n{report}"
+        );
         drop(exec);
     });
 }

@@ -204,7 +204,7 @@ fn default_executor_and_handles_from_other_threads() {
 }
 
 #[test]
-fn a_stack_size_no_fiber_can_have_is_refused_by_the_builder() {
+fn settings_no_executor_can_have_are_refused_by_the_builder() {
     for bytes in [0, spindle_fiber::MIN_STACK_SIZE - 1, spindle_fiber::MAX_STACK_SIZE + 1] {
         let err = std::panic::catch_unwind(|| Executor::builder().stack_size(bytes))
             .expect_err("an unmappable stack size panics at once, not in every spawn");
@@ -215,10 +215,60 @@ fn a_stack_size_no_fiber_can_have_is_refused_by_the_builder() {
     let zero = std::panic::catch_unwind(|| Executor::builder().sysmon_interval(std::time::Duration::ZERO))
         .expect_err("a zero sysmon interval panics");
     assert!(zero.downcast_ref::<&str>().is_some_and(|m| m.contains("above zero")));
+    let max = spindle_executor::MAX_WORKERS;
+    for too_many in [
+        std::panic::catch_unwind(|| Executor::builder().workers(max + 1)),
+        std::panic::catch_unwind(|| Executor::builder().max_workers(usize::MAX)),
+    ] {
+        let err = too_many.expect_err("more workers than MAX_WORKERS panics at once");
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(&format!("at most {max} workers")), "{msg}");
+    }
     // The bounds themselves are accepted.
+    let _ = Executor::builder().workers(max).max_workers(max);
     let _ = Executor::builder()
         .stack_size(spindle_fiber::MIN_STACK_SIZE)
         .stack_size(spindle_fiber::MAX_STACK_SIZE);
     let exec = Executor::builder().workers(1).stack_size(64 * 1024).build();
     assert_eq!(exec.block_on(|| 7).unwrap(), 7);
+}
+
+/// A value nobody joined is dropped by the worker that completed its task,
+/// outside any fiber. If its `Drop` spawns and joins, the join blocks that
+/// worker: the spawn must not go to the worker's own local queue (with one
+/// worker nothing would ever run it), and sysmon must count the blocked
+/// worker as stuck and add one, which runs the job.
+#[test]
+fn a_value_dropped_by_a_worker_that_spawns_and_joins_completes() {
+    use spindle_executor::sync::Semaphore;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    struct SpawnsAndJoinsOnDrop(Handle, Arc<AtomicU64>);
+    impl Drop for SpawnsAndJoinsOnDrop {
+        fn drop(&mut self) {
+            let got = self.0.spawn(|| 7).join().expect("the job spawned in the drop ran");
+            self.1.store(got, Ordering::SeqCst);
+        }
+    }
+    watchdog("a_value_dropped_by_a_worker_that_spawns_and_joins_completes", 60, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let (handle, joined) = (exec.handle(), Arc::new(AtomicU64::new(0)));
+        let handle_dropped = Arc::new(Semaphore::new(0));
+        let (go, j) = (handle_dropped.clone(), joined.clone());
+        // Detached: its value is dropped by whoever drops the task last,
+        // which is the worker once the handle is gone before it returns.
+        drop(exec.spawn(move || {
+            go.acquire();
+            SpawnsAndJoinsOnDrop(handle, j)
+        }));
+        handle_dropped.release(1);
+        stage.set("waiting for the value's drop to spawn and join");
+        while joined.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(joined.load(Ordering::SeqCst), 7);
+        stage.set("the executor runs other work afterwards");
+        assert_eq!(exec.block_on(|| 1).unwrap(), 1);
+    });
 }

@@ -262,3 +262,43 @@ fn a_sleep_too_long_for_a_deadline_lasts_until_cancelled() {
         assert!(h.join().unwrap_err().is_cancelled(), "cancelled, not panicked");
     });
 }
+
+/// The timer that wakes a sleeping fiber gives up its reference to the
+/// fiber's task before the wake, so it is never the last one: a value
+/// nobody joined is dropped by a worker, never on the sysmon thread (where
+/// a `Drop` that blocks would stop every timer). Before, the woken fiber
+/// often finished first and the timer's reference was the last.
+#[test]
+fn a_woken_sleepers_unjoined_value_is_not_dropped_on_sysmon() {
+    use std::sync::Mutex;
+
+    struct RecordsDropThread(Arc<Mutex<Vec<String>>>);
+    impl Drop for RecordsDropThread {
+        fn drop(&mut self) {
+            let name = std::thread::current().name().unwrap_or("?").to_owned();
+            self.0.lock().unwrap().push(name);
+        }
+    }
+    watchdog("a_woken_sleepers_unjoined_value_is_not_dropped_on_sysmon", 60, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let threads = Arc::new(Mutex::new(Vec::new()));
+        const ROUNDS: usize = 100;
+        stage.set("detached fibers that sleep, then return a value nobody joins");
+        for _ in 0..ROUNDS {
+            let t = threads.clone();
+            drop(exec.spawn(move || {
+                sleep(Duration::from_micros(200));
+                RecordsDropThread(t)
+            }));
+        }
+        while threads.lock().unwrap().len() < ROUNDS {
+            std::thread::yield_now();
+        }
+        let threads = threads.lock().unwrap();
+        assert!(
+            threads.iter().all(|t| t != "spindle-sysmon"),
+            "values dropped on sysmon: {} of {ROUNDS}",
+            threads.iter().filter(|t| *t == "spindle-sysmon").count()
+        );
+    });
+}

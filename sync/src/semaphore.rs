@@ -75,7 +75,27 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire(&self) {
-        self.acquire_inner(None)
+        self.acquire_inner(None, &WAIT_REASON)
+    }
+
+    /// Like [`acquire`](Semaphore::acquire), naming what a fiber that has
+    /// to wait is waiting for (shown by
+    /// [`Fiber::wait_site`](spindle_fiber::Fiber::wait_site) and in
+    /// deadlock reports) instead of "a semaphore": for primitives built on
+    /// a semaphore, such as a join.
+    ///
+    /// ```
+    /// use spindle_fiber::WaitReason;
+    /// use spindle_sync::Semaphore;
+    ///
+    /// static BARRIER: WaitReason = WaitReason("the start barrier");
+    /// let sem = Semaphore::new(1);
+    /// sem.acquire_for(&BARRIER); // a token is there: no wait
+    /// ```
+    #[track_caller]
+    #[inline]
+    pub fn acquire_for(&self, reason: &'static WaitReason) {
+        self.acquire_inner(None, reason)
     }
 
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
@@ -84,12 +104,12 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {
-        self.acquire_inner(Some(priority))
+        self.acquire_inner(Some(priority), &WAIT_REASON)
     }
 
     #[track_caller]
     #[inline]
-    fn acquire_inner(&self, priority: Option<Priority>) {
+    fn acquire_inner(&self, priority: Option<Priority>, reason: &'static WaitReason) {
         let mut synced = self.synced.lock();
         if synced.tokens > 0 {
             synced.tokens -= 1;
@@ -112,7 +132,7 @@ impl Semaphore {
                 })
             },
             priority,
-            &WAIT_REASON,
+            reason,
         );
     }
 
