@@ -325,16 +325,7 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         println!("child passed");
         return;
     }
-    let out = common::run_child_watched(
-        name,
-        60,
-        std::process::Command::new("sh")
-            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
-            .arg(std::env::current_exe().unwrap())
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .env("RUST_BACKTRACE", "0"),
-    );
+    let out = common::run_in_a_child(name, CHILD);
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child passed"),
         "a cancellation point reached during the cancel's unwind must not abort:\n{}",

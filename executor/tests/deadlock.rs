@@ -227,16 +227,7 @@ fn abort_prints_the_report_then_aborts() {
     {
         // Through the shell, to turn core dumps off for the aborting child;
         // killed if it hangs instead of aborting.
-        let out = common::run_child_watched(
-            name,
-            60,
-            std::process::Command::new("sh")
-                .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
-                .arg(std::env::current_exe().unwrap())
-                .args([name, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env("RUST_BACKTRACE", "0"),
-        );
+        let out = common::run_in_a_child(name, CHILD);
         let stderr = String::from_utf8_lossy(&out.stderr);
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(out.status.signal(), Some(6), "the child should abort (SIGABRT):\n{stderr}");

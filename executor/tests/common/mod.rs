@@ -110,3 +110,20 @@ pub fn size(debug: usize, release: usize) -> usize {
         release
     }
 }
+
+/// Runs the test `name` of this test binary again in a child process, with
+/// `child_env` set (the test's own switch to its child part), core dumps
+/// off (through the shell: a child that aborts leaves no core file) and a
+/// 60 s limit after which the child is killed.
+pub fn run_in_a_child(name: &str, child_env: &str) -> std::process::Output {
+    run_child_watched(
+        name,
+        60,
+        std::process::Command::new("sh")
+            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+            .arg(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(child_env, "1")
+            .env("RUST_BACKTRACE", "0"),
+    )
+}
