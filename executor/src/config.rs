@@ -211,7 +211,9 @@ impl Builder {
 
     fn resolve(self) -> Config {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let env_workers =
+        // Read only when the builder did not say: a value it overrides is
+        // not reported.
+        let env_workers = || {
             std::env::var("SPINDLE_WORKERS").ok().and_then(|v| match v.trim().parse::<usize>() {
                 Ok(n) if n <= MAX_WORKERS => Some(n),
                 _ => {
@@ -221,8 +223,9 @@ impl Builder {
                     );
                     None
                 }
-            });
-        let base = self.workers.or(env_workers).unwrap_or(cores).clamp(1, MAX_WORKERS);
+            })
+        };
+        let base = self.workers.or_else(env_workers).unwrap_or(cores).clamp(1, MAX_WORKERS);
         let max = self.max_workers.unwrap_or(2 * cores).clamp(base, MAX_WORKERS);
         Config {
             base_workers: base,

@@ -273,13 +273,13 @@ impl Handle {
         shared.stats.spawned.fetch_add(1, Ordering::Relaxed);
         let job = Job { task, priority };
         match crate::worker::current_worker() {
-            // From one of this executor's fibers: its worker is busy
-            // running it, so shutdown cannot get past it before the push
-            // is done, and the worker drains its own queue. (Code on a
-            // worker outside its fibers, a task's value dropped in the
-            // worker loop say, spawns as from outside: it may go on to
-            // block this worker in a join, stranding a local job.)
-            Some(w) if Arc::ptr_eq(&w.shared, shared) && crate::ops::current_task().is_some() => {
+            // From this executor's worker thread (one of its fibers, or
+            // user code the worker runs outside them, a task's value being
+            // dropped): the worker is busy running it, so shutdown cannot
+            // get past it before the push is done, and the worker drains
+            // its own queue. Should that code go on to block the worker, the
+            // job can still be stolen, and sysmon adds a worker for it.
+            Some(w) if Arc::ptr_eq(&w.shared, shared) => {
                 if shared.shutdown.load(Ordering::Acquire) {
                     return cancel_unstarted(shared, job);
                 }

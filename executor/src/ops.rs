@@ -32,15 +32,22 @@ fn task_head(raw: usize) -> &'static TaskHead {
 }
 
 /// Unwinds the calling fiber if its task was cancelled or its executor is
-/// shutting down. Not while the fiber is unwinding already (a destructor
-/// that yields, sleeps or joins during the cancel's own unwind): a second
-/// unwind from there would abort the process.
+/// shutting down. Not while that cancel's own unwind is under way (a
+/// destructor that yields, sleeps or joins during it): a second unwind from
+/// a destructor would abort the process. The thread's panic count alone
+/// cannot say so: it is the worker's, and another fiber suspended in the
+/// middle of an unwind raises it too.
 pub(crate) fn check_cancel() {
-    if std::thread::panicking() {
-        return;
-    }
     if let Some((raw, w)) = current_task() {
-        if task_head(raw).cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
+        let task = task_head(raw);
+        if task.cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
+            // This fiber's cancel unwind started and has not been caught
+            // (after a `catch_unwind` the thread is not panicking, and the
+            // next point cancels again).
+            if task.cancel_unwound.load(Ordering::Relaxed) && std::thread::panicking() {
+                return;
+            }
+            task.cancel_unwound.store(true, Ordering::Relaxed);
             std::panic::resume_unwind(Box::new(Cancelled));
         }
     }

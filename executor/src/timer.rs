@@ -100,6 +100,8 @@ impl Timers {
             // one is not the last. Dropped after the wake, it often was (the
             // woken fiber finished first), and the task's value, with
             // whatever its `Drop` does, was dropped on this thread (sysmon).
+            // (A stale entry, whose sleep something else ended, can still
+            // be the last if its fiber finished meanwhile: rare.)
             drop(entry);
             if let Some(w) = waiter {
                 w.wake();

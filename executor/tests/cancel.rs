@@ -308,6 +308,38 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
             assert!(h.join().expect_err("cancelled").is_cancelled(), "kind {kind}");
         }
         assert_eq!(drops.load(Ordering::SeqCst), 3, "every destructor finished");
+        {
+            // One worker: a fiber that panics, and whose destructor cancels
+            // and joins a fiber that only ever yields. The panic's unwind is
+            // suspended in that join (the worker's thread counts as
+            // panicking meanwhile), and the yielding fiber must still be
+            // cancelled at its yields: the thread's panic count is not its.
+            struct CancelAndJoin(Option<spindle_executor::JoinHandle<()>>, Arc<AtomicU64>);
+            impl Drop for CancelAndJoin {
+                fn drop(&mut self) {
+                    let child = self.0.take().unwrap();
+                    child.cancel();
+                    assert!(child.join().expect_err("cancelled").is_cancelled());
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            let one = Executor::builder().workers(1).build();
+            let d = drops.clone();
+            let h = one.spawn(move || {
+                let child = spindle_executor::spawn(|| loop {
+                    yield_now();
+                });
+                // Started, so the cancel reaches it at its yields (an
+                // unstarted job is just dropped).
+                while child.fiber_id().is_none() {
+                    yield_now();
+                }
+                let _guard = CancelAndJoin(Some(child), d);
+                panic!("the parent panics with a guard that cancels its child");
+            });
+            assert!(matches!(h.join(), Err(JoinError::Panicked { .. })));
+            assert_eq!(drops.load(Ordering::SeqCst), 4, "the guard's join returned");
+        }
         // And at shutdown: a fiber whose destructor yields, left running.
         let started = Arc::new(Semaphore::new(0));
         let (d, s) = (drops.clone(), started.clone());
@@ -321,7 +353,7 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         started.acquire();
         drop(exec);
         assert!(h.join().expect_err("shut down").is_cancelled());
-        assert_eq!(drops.load(Ordering::SeqCst), 4, "the destructor finished at shutdown");
+        assert_eq!(drops.load(Ordering::SeqCst), 5, "the destructor finished at shutdown");
         println!("child passed");
         return;
     }

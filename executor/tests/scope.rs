@@ -303,7 +303,11 @@ fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
 /// return before that stack is unwound. Here the semaphore is released by a
 /// thread-local destructor of the fiber's worker as that thread exits,
 /// which unwinds the fiber there; a guard on its stack that borrows a local
-/// of this frame must have run by the time `scope` returns.
+/// of this frame must have run by the time `scope` returns. (The wake comes
+/// from a thread-local destructor, so the test leans on the C library
+/// running those at thread exit, while the fiber crate's own words are
+/// still readable: glibc does. Where it did not, the scope would hang and
+/// the watchdog would fail the test, not pass it.)
 #[test]
 fn a_scoped_fiber_asleep_at_shutdown_is_unwound_before_the_scope_returns() {
     use std::cell::RefCell;

@@ -847,7 +847,9 @@ impl<T: Send + 'static> Fiber<T> {
         h.state.store(FiberState::Queued);
         // The previous home goes only now: if this was its last reference,
         // its drop runs whatever it owns, which must not find this fiber
-        // `Locked` (nor leave it so, should it panic).
+        // `Locked`. (Should that drop panic, the fiber is `Queued` already:
+        // a caller that unwinds before queueing it, as `RunQueue::try_push`
+        // would, leaves it `Queued` in no queue.)
         drop(replaced);
         Ok(())
     }

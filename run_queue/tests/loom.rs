@@ -409,8 +409,9 @@ fn spin_phase_set_aside_reaches_parked_owner() {
 /// the only one), hence the second other popper.
 ///
 /// Run one preemption below the other models, at 2 in CI (`model_one_below`):
-/// at 3 this model takes about three and a half minutes, at 2 about ten
-/// seconds, and the interleavings above take two preemptions.
+/// at 3 this model takes three to four minutes, at 2 about 7 to 10
+/// seconds (docs/loom.md), and the interleavings above take two
+/// preemptions.
 #[test]
 fn set_aside_wakes_every_parked_popper() {
     static SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

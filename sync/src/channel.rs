@@ -33,11 +33,17 @@ static WAIT_REASON: WaitReason = WaitReason("a channel");
 /// alignment itself.
 const NOT_QUEUED: *mut MsgHeader = NonNull::<MsgHeader>::dangling().as_ptr();
 
+/// The `next` of a header handed straight to a waiting receiver, until that
+/// receiver's `pop` returns it (so that a push of it meanwhile is refused
+/// too). Never dereferenced; not a header's address either.
+const HANDED: *mut MsgHeader = NOT_QUEUED.wrapping_byte_add(1);
+
 /// The header of a channel message: a link for the channel's queue and the
 /// location of the payload (like a `struct iovec`).
 #[repr(C)]
 pub struct MsgHeader {
-    /// Next queued message ([`NOT_QUEUED`] while the header is not queued);
+    /// Next queued message ([`NOT_QUEUED`] while the header is not queued,
+    /// [`HANDED`] while a receiver's `pop` is returning it);
     /// written only by the channel, under its lock. Atomic (Relaxed) only
     /// so that `push`'s check of a header wrongly queued on another channel
     /// is not itself a data race.
@@ -134,7 +140,11 @@ impl Synced {
     fn pop_message(&mut self) -> Option<NonNull<MsgHeader>> {
         let head = NonNull::new(self.head)?;
         // SAFETY: queued headers are valid until popped (push's contract).
-        self.head = unsafe { head.as_ref().next.swap(NOT_QUEUED, Ordering::Relaxed) };
+        // Load and store, not a swap: the lock is held.
+        unsafe {
+            self.head = head.as_ref().next.load(Ordering::Relaxed);
+            head.as_ref().next.store(NOT_QUEUED, Ordering::Relaxed);
+        }
         if self.head.is_null() {
             self.tail = ptr::null_mut();
         }
@@ -203,29 +213,33 @@ impl RawChannel {
     /// Queues a message, or hands it to the longest-waiting receiver.
     ///
     /// # Panics
-    /// If the header is queued on a channel already (pushed and not popped
-    /// yet): pop it before pushing it again. Nothing is queued then.
+    /// If the header is on a channel already (pushed, and not popped yet):
+    /// pop it before pushing it again. Nothing is queued then.
     ///
     /// # Safety
     /// The header is properly aligned and was initialised by
     /// [`MsgHeader::new`] or [`MsgHeader::init_trailing`]. From the push
     /// until it is popped (or the channel is dropped), the channel owns it:
     /// it stays valid and is not moved, and the caller neither reads nor
-    /// writes it nor holds a reference to it. The message it describes may
-    /// be accessed from whichever thread pops it (it is Send).
+    /// writes it nor holds a reference to it (the channel's drop writes to
+    /// the headers still queued, so they must outlive the channel or be
+    /// popped first). The message it describes may be accessed from
+    /// whichever thread pops it (it is Send).
     pub unsafe fn push(&self, msg: NonNull<MsgHeader>) {
         let mut synced = self.synced.lock();
         // SAFETY: the header is valid (the caller's contract); the link is
         // atomic, so this read is no race even for a header wrongly queued
-        // on another channel.
+        // on another channel (or being handed to a receiver).
         if unsafe { msg.as_ref().next.load(Ordering::Relaxed) } != NOT_QUEUED {
             drop(synced);
             panic!(
-                "spindle-sync: RawChannel::push of a header that is queued on a channel already: pop it \
-                 before pushing it again"
+                "spindle-sync: RawChannel::push of a header that is on a channel already (queued, or \
+                 being handed to a receiver): pop it before pushing it again"
             );
         }
         if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
+            // SAFETY: as above; the receiver's `pop` marks it unqueued.
+            unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
             drop(synced);
             wakeup.wake();
             return;
@@ -250,7 +264,10 @@ impl RawChannel {
             return m;
         }
         let handed = wait(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON);
-        NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message")
+        let handed = NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message");
+        // SAFETY: the pusher handed this header to us; it is ours now.
+        unsafe { handed.as_ref().next.store(NOT_QUEUED, Ordering::Relaxed) };
+        handed
     }
 
     /// Takes the oldest message if there is one.

@@ -251,40 +251,71 @@ fn dropping_a_raw_channel_leaves_queued_headers_to_their_owners() {
     assert_eq!(a.len, 1);
 }
 
-/// Dropping a channel that still holds messages drops their values, once.
-/// Pushing a header that is still queued (on this channel or another) is
-/// refused with a panic that says what to do, and changes nothing: the
+/// Pushing a header that is still on a channel (queued there or on another
+/// channel, or handed to a waiting receiver that has not returned it yet)
+/// is refused with a panic that says what to do, and changes nothing: the
 /// queue keeps its one message, and the header can be pushed again once it
 /// is popped.
 #[test]
-fn pushing_a_queued_header_again_is_refused() {
-    let mut h = MsgHeader::new(std::ptr::null_mut(), 7);
-    let chan = RawChannel::new();
-    let other = RawChannel::new();
-    // SAFETY: `h` outlives both channels and is not touched while queued.
-    unsafe { chan.push(NonNull::from(&mut h)) };
-    for target in [&chan, &other] {
+fn pushing_a_header_that_is_on_a_channel_again_is_refused() {
+    /// The refused push's panic message.
+    fn refused(chan: &RawChannel, h: NonNull<MsgHeader>) -> String {
         let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: as above (the push is refused before it links anything).
-            unsafe { target.push(NonNull::from(&mut h)) }
+            // SAFETY: `h` is alive; the push is refused before it links
+            // anything or touches more than the link.
+            unsafe { chan.push(h) }
         }))
-        .expect_err("a second push of a queued header must be refused");
-        let msg = err
-            .downcast_ref::<&str>()
-            .copied()
-            .or_else(|| err.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or_default();
-        assert!(msg.contains("queued on a channel already") && msg.contains("pop it"), "{msg}");
+        .expect_err("a second push of a header on a channel must be refused");
+        err.downcast_ref::<&str>()
+            .map(|m| m.to_string())
+            .or_else(|| err.downcast_ref::<String>().cloned())
+            .unwrap_or_default()
     }
-    assert_eq!((chan.len(), other.len()), (1, 0));
-    // SAFETY: the popped header is `h`, alive in this frame.
-    assert_eq!(chan.try_pop().map(|p| unsafe { p.as_ref().len }), Some(7));
-    assert!(chan.try_pop().is_none(), "the refused pushes linked nothing");
-    // SAFETY: as above.
-    unsafe { other.push(NonNull::from(&mut h)) };
-    assert_eq!(other.len(), 1);
+    fn says_what_to_do(msg: &str) -> bool {
+        msg.contains("on a channel already") && msg.contains("pop it")
+    }
+
+    watchdog("pushing_a_header_that_is_on_a_channel_again_is_refused", 30, |stage| {
+        // One pointer for the whole test: no reference to the header is
+        // made while a channel owns it.
+        let h = NonNull::from(Box::leak(Box::new(MsgHeader::new(std::ptr::null_mut(), 7))));
+        let chan = Arc::new(RawChannel::new());
+        let other = RawChannel::new();
+        stage.set("queued: pushed again on the same channel and on another");
+        // SAFETY: `h` lives until the end of the test; nothing touches it
+        // while a channel owns it.
+        unsafe { chan.push(h) };
+        for target in [&*chan, &other] {
+            let msg = refused(target, h);
+            assert!(says_what_to_do(&msg), "{msg}");
+        }
+        assert_eq!((chan.len(), other.len()), (1, 0));
+        assert_eq!(chan.try_pop(), Some(h));
+        assert!(chan.try_pop().is_none(), "the refused pushes linked nothing");
+
+        stage.set("handed to a sleeping receiver that has not run yet");
+        let queue = RunQueue::<usize>::new(1);
+        let rx = chan.clone();
+        queue.try_push(fiber(Priority::NORMAL, move || rx.pop().as_ptr() as usize)).unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        // SAFETY: as above.
+        unsafe { chan.push(h) }; // handed straight to the receiver
+        assert!(chan.is_empty());
+        let msg = refused(&other, h);
+        assert!(says_what_to_do(&msg), "{msg}");
+        let ran = queue.run_next().unwrap();
+        assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(p)) if p == h.as_ptr() as usize));
+
+        stage.set("popped: pushed again");
+        // SAFETY: as above.
+        unsafe { other.push(h) };
+        assert_eq!(other.try_pop(), Some(h));
+        // SAFETY: the header came from `Box::leak` and no channel holds it.
+        drop(unsafe { Box::from_raw(h.as_ptr()) });
+    });
 }
 
+/// Dropping a channel that still holds messages drops their values, once.
 #[test]
 fn dropping_a_channel_drops_queued_messages() {
     let drops = DropCounter::default();
