@@ -122,7 +122,7 @@ impl Synced {
     /// before it ran again: to the next receiver, or back to the front of
     /// the queue. It is older than every queued message (messages are
     /// handed over only while none is queued), but among several given
-    /// back the order is the order of the drops (see `Channel`'s "Order").
+    /// back the last one given back is first (see `Channel`'s "Order").
     fn give_back(&mut self, handed: *mut ()) -> Option<Wakeup> {
         let msg = handed.cast::<MsgHeader>();
         if let Some(wakeup) = self.receivers.pop_front(handed) {
@@ -418,12 +418,13 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 /// cannot be unwound (a pinned fiber whose last handle is dropped on
 /// another thread: the stack is leaked), the message is lost with it.
 ///
-/// Order: first in, first out, with one exception. Messages put back by
-/// dropped receivers go to the head in the order the receivers are
-/// dropped. Each is older than everything queued (a message is only handed
-/// over while the queue is empty), but two or more of them can come back
-/// in a different order than they were pushed: two receivers dropped
-/// newest first, say, as a run queue dropped with both does not.
+/// Order: first in, first out, with one exception. A message put back by a
+/// dropped receiver goes to the head, in front of any put back before it.
+/// Each is older than everything queued (a message is only handed over
+/// while the queue is empty), but among themselves they come back in the
+/// reverse order of the drops: receivers dropped oldest first (as a run
+/// queue dropped with all of them does) put their messages back newest
+/// first.
 ///
 /// ```
 /// use std::sync::Arc;
