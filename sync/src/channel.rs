@@ -14,6 +14,7 @@
 //!   themselves, e.g. a header followed by its payload in one block
 //!   ([`MsgHeader::init_trailing`]).
 
+use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
@@ -48,6 +49,10 @@ pub struct MsgHeader {
     /// so that `push`'s check of a header wrongly queued on another channel
     /// is not itself a data race.
     next: AtomicPtr<MsgHeader>,
+    /// The channel's push count when this header was pushed: its place in
+    /// the FIFO when a dropped receiver gives it back. Written by the
+    /// channel under its lock.
+    seq: Cell<u64>,
     /// Payload address.
     pub buf: *mut u8,
     /// Payload length in bytes.
@@ -61,7 +66,7 @@ unsafe impl Send for MsgHeader {}
 impl MsgHeader {
     /// A header describing the payload at `buf` of `len` bytes.
     pub const fn new(buf: *mut u8, len: usize) -> MsgHeader {
-        MsgHeader { next: AtomicPtr::new(NOT_QUEUED), buf, len }
+        MsgHeader { next: AtomicPtr::new(NOT_QUEUED), seq: Cell::new(0), buf, len }
     }
 
     /// Initialises the header at `this` for a payload of `len` bytes that
@@ -110,6 +115,8 @@ struct Synced {
     head: *mut MsgHeader,
     tail: *mut MsgHeader,
     messages: usize,
+    /// Pushes so far: each header's `seq`.
+    pushes: u64,
     receivers: WaitList,
 }
 
@@ -119,22 +126,36 @@ unsafe impl Send for Synced {}
 
 impl Synced {
     /// A message handed to a receiver that was dropped (a fiber unwound)
-    /// before it ran again: to the next receiver, or back to the front of
-    /// the queue. It is older than every queued message (messages are
-    /// handed over only while none is queued), but among several given
-    /// back the last one given back is first (see `Channel`'s "Order").
+    /// before it ran again: to the next receiver, or back into the queue
+    /// where its push put it. It is older than every message queued the
+    /// usual way (messages are handed over only while none is queued), so
+    /// it goes in front of those, behind any given back earlier that were
+    /// pushed before it (`seq`): a short walk over given-back messages
+    /// only.
     fn give_back(&mut self, handed: *mut ()) -> Option<Wakeup> {
         let msg = handed.cast::<MsgHeader>();
         if let Some(wakeup) = self.receivers.pop_front(handed) {
             return Some(wakeup);
         }
         // SAFETY: the header was pushed under push's contract and never
-        // reached its receiver, so it is still the channel's.
-        unsafe { (*msg).next.store(self.head, Ordering::Relaxed) };
-        if self.head.is_null() {
-            self.tail = msg;
+        // reached its receiver, so it is still the channel's; queued
+        // headers are valid until popped.
+        unsafe {
+            let seq = (*msg).seq.get();
+            let (mut prev, mut cur) = (ptr::null_mut::<MsgHeader>(), self.head);
+            while !cur.is_null() && (*cur).seq.get() < seq {
+                prev = cur;
+                cur = (*cur).next.load(Ordering::Relaxed);
+            }
+            (*msg).next.store(cur, Ordering::Relaxed);
+            match prev.is_null() {
+                true => self.head = msg,
+                false => (*prev).next.store(msg, Ordering::Relaxed),
+            }
+            if cur.is_null() {
+                self.tail = msg;
+            }
         }
-        self.head = msg;
         self.messages += 1;
         None
     }
@@ -207,6 +228,7 @@ impl RawChannel {
                 head: ptr::null_mut(),
                 tail: ptr::null_mut(),
                 messages: 0,
+                pushes: 0,
                 receivers: WaitList::new(),
             }),
         }
@@ -239,6 +261,9 @@ impl RawChannel {
                  being handed to a receiver): pop it before pushing it again"
             );
         }
+        synced.pushes += 1;
+        // SAFETY: as above; the channel owns the header from here.
+        unsafe { msg.as_ref().seq.set(synced.pushes) };
         if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
             // SAFETY: as above; the receiver's `pop` marks it unqueued.
             unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
@@ -418,13 +443,8 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 /// cannot be unwound (a pinned fiber whose last handle is dropped on
 /// another thread: the stack is leaked), the message is lost with it.
 ///
-/// Order: first in, first out, with one exception. A message put back by a
-/// dropped receiver goes to the head, in front of any put back before it.
-/// Each is older than everything queued (a message is only handed over
-/// while the queue is empty), but among themselves they come back in the
-/// reverse order of the drops: receivers dropped oldest first (as a run
-/// queue dropped with all of them does) put their messages back newest
-/// first.
+/// Order: first in, first out, messages put back by dropped receivers
+/// included (each goes back to its place by push order).
 ///
 /// ```
 /// use std::sync::Arc;

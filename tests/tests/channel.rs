@@ -423,5 +423,24 @@ fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
         assert_eq!(second.state(), FiberState::Ready, "the message was handed on");
         assert!(matches!(second.run(), Ok(RunOutcome::Returned(3))));
         assert_eq!(chan.receivers(), 0);
+
+        stage.set("three receivers handed messages, dropped oldest first and newest first");
+        for oldest_first in [true, false] {
+            let mut rxs: Vec<_> = (0..3).map(|_| receiver(&chan)).collect();
+            for i in 10..13 {
+                chan.push(Msg::new(drops.make(i)));
+            }
+            chan.push(Msg::new(drops.make(13))); // queued: nobody waits now
+            if !oldest_first {
+                rxs.reverse();
+            }
+            drop(rxs);
+            let order: Vec<u64> = std::iter::from_fn(|| chan.try_pop().map(|m| m.1)).collect();
+            assert_eq!(
+                order,
+                [10, 11, 12, 13],
+                "push order, whatever the drop order (oldest first: {oldest_first})"
+            );
+        }
     });
 }
