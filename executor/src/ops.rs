@@ -83,8 +83,9 @@ pub fn yield_now() {
 }
 
 /// Yields if the calling fiber has run past its time slice (10 ms by
-/// default, flagged by sysmon). Costs a thread-local read and a relaxed
-/// swap otherwise: call it in long loops.
+/// default, flagged by sysmon, which looks every half slice: the flag comes
+/// one to one and a half slices after the worker last switched). Costs a
+/// thread-local read and a relaxed swap otherwise: call it in long loops.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
         if w.me().hot.preempt.swap(false, Ordering::Relaxed) {

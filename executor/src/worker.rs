@@ -75,6 +75,11 @@ struct Worker {
     cache: Vec<Task>,
     tick: u64,
     rng: u64,
+    /// Per class: local pops until the jobs last batched into the local
+    /// deque from the injector or the global queue have left it (it is
+    /// FIFO: they are gone after that many pops, or sooner if stolen).
+    /// Taking an outside job before those would break FIFO order.
+    outside_in_local: [usize; CLASSES],
 }
 
 pub(crate) fn run(shared: Arc<Shared>, index: usize) {
@@ -86,6 +91,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         cache: Vec::with_capacity(FIBER_CACHE),
         tick: 0,
         rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
+        outside_in_local: [0; CLASSES],
     };
     CURRENT.with(|c| c.set(&*w.ctx));
     w.main_loop(&parker);
@@ -128,26 +134,49 @@ impl Worker {
         self.drain_inbox();
         let active = self.me().active.load(Ordering::Relaxed);
         let fresh_first = self.tick % 2 == 0;
+        // Now and then, jobs from outside before this worker's own spawns
+        // (as Go's scheduler looks at its global queue every 61st tick):
+        // a fiber that keeps its local deque full would starve the
+        // injector and the global queue for as long as it kept spawning.
+        // One job, not a batch: a batch would land behind the local ones.
+        // Not while outside jobs batched earlier are still in the local
+        // deque: they are older, and go first.
+        let outside_tick = self.tick % OUTSIDE_EVERY == 0;
         for class in 0..CLASSES {
+            let outside_first = outside_tick && self.outside_in_local[class] == 0;
             if !fresh_first {
                 if let Some(t) = self.resumed[class].pop_front() {
                     return Some(Next::Resumed(t));
                 }
             }
             let ctx = &*self.ctx;
+            if outside_first {
+                let own = &ctx.me().fresh[class];
+                let global = &ctx.shared.global[class];
+                let taken = (!own.is_empty())
+                    .then(|| retry(|| own.steal()))
+                    .flatten()
+                    .or_else(|| (active && !global.is_empty()).then(|| retry(|| global.steal())).flatten());
+                if let Some(j) = taken {
+                    return Some(Next::Fresh(j));
+                }
+            }
             let local = &ctx.locals[class];
             if let Some(j) = local.pop() {
+                self.outside_in_local[class] = self.outside_in_local[class].saturating_sub(1);
                 return Some(Next::Fresh(j));
             }
             let own = &ctx.me().fresh[class];
             if !own.is_empty() {
                 if let Some(j) = retry(|| own.steal_batch_and_pop(local)) {
+                    self.outside_in_local[class] = local.len();
                     return Some(Next::Fresh(j));
                 }
             }
             let global = &ctx.shared.global[class];
             if active && !global.is_empty() {
                 if let Some(j) = retry(|| global.steal_batch_and_pop(local)) {
+                    self.outside_in_local[class] = local.len();
                     return Some(Next::Fresh(j));
                 }
             }
@@ -473,6 +502,10 @@ fn take_task(fiber: &Task) -> TaskRef {
     // SAFETY: set in `start` from `TaskRef::into_raw`; taken once.
     unsafe { TaskRef::from_raw(raw) }
 }
+
+/// Every this many picks, a worker takes a job from its injector or the
+/// global queue before its local deque (see `Worker::next`).
+const OUTSIDE_EVERY: u64 = 61;
 
 /// `running_fiber` while a worker runs user code outside any fiber (a
 /// task's value or closure dropped in the worker loop): never a fiber id,

@@ -116,3 +116,36 @@ fn yield_if_needed_is_cheap_when_not_flagged() {
         assert!(other_ran.is_set());
     });
 }
+
+/// A fiber that keeps spawning keeps its worker's local deque full; a job
+/// spawned from outside (into the worker's injector) must still run while
+/// that goes on, not only once the spawning stops. One worker, so no other
+/// worker can take it, and the spawner yields, so nothing looks stuck.
+#[test]
+fn a_fiber_that_keeps_spawning_does_not_starve_jobs_from_outside() {
+    watchdog("a_fiber_that_keeps_spawning_does_not_starve_jobs_from_outside", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let stop = Flag::new();
+        let spawned = Arc::new(AtomicUsize::new(0));
+        let flood = {
+            let (stop, spawned) = (stop.clone(), spawned.clone());
+            exec.spawn(move || {
+                let started = Instant::now();
+                while !stop.is_set() && started.elapsed() < RUNAWAY {
+                    drop(spindle_executor::spawn(|| ()));
+                    spawned.fetch_add(1, Ordering::Relaxed);
+                    spindle_executor::yield_now();
+                }
+            })
+        };
+        stage.set("waiting for the flood of local spawns to start");
+        while spawned.load(Ordering::Relaxed) < 1000 {
+            std::thread::yield_now();
+        }
+        stage.set("a job spawned from outside, joined while the flood goes on");
+        assert_eq!(exec.spawn(|| 42).join().unwrap(), 42);
+        assert!(!stop.is_set());
+        stop.set();
+        flood.join().unwrap();
+    });
+}
