@@ -477,9 +477,10 @@ pub struct ExecutorStats {
     pub inbox_handoffs: u64,
     /// Times a worker parked.
     pub parks: u64,
-    /// Times sysmon added workers.
+    /// Times sysmon added workers (each time adds one or more, so this can
+    /// be smaller than `scale_downs`).
     pub scale_ups: u64,
-    /// Times an extra worker retired.
+    /// Extra workers that retired (one per worker).
     pub scale_downs: u64,
     /// Active workers now.
     pub workers: usize,
