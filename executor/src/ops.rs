@@ -32,22 +32,30 @@ fn task_head(raw: usize) -> &'static TaskHead {
 }
 
 /// Unwinds the calling fiber if its task was cancelled or its executor is
-/// shutting down. Not while that cancel's own unwind is under way (a
-/// destructor that yields, sleeps or joins during it): a second unwind from
-/// a destructor would abort the process. The thread's panic count alone
-/// cannot say so: it is the worker's, and another fiber suspended in the
-/// middle of an unwind raises it too.
+/// shutting down. Not while the fiber is unwinding already (a destructor
+/// that yields, sleeps or joins during a panic's or the cancel's own
+/// unwind): a second unwind from a destructor would abort the process. The
+/// thread's panic count alone cannot say so: it is the worker's, and
+/// another fiber suspended in the middle of an unwind raises it too.
 pub(crate) fn check_cancel() {
     if let Some((raw, w)) = current_task() {
         let task = task_head(raw);
         if task.cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
-            // This fiber's cancel unwind started and has not been caught
-            // (after a `catch_unwind` the thread is not panicking, and the
-            // next point cancels again).
-            if task.cancel_unwound.load(Ordering::Relaxed) && std::thread::panicking() {
-                return;
+            // The thread is panicking, and it is this fiber's doing: the
+            // fiber is known to be unwinding (its cancel unwind, or a check
+            // like this one before), or the thread was not panicking when
+            // the worker resumed it. (After a `catch_unwind` the thread is
+            // not panicking, and the next point cancels again.)
+            if std::thread::panicking() {
+                if task.unwinding.load(Ordering::Relaxed) {
+                    return;
+                }
+                if !w.me().hot.panicking_at_resume.load(Ordering::Relaxed) {
+                    task.unwinding.store(true, Ordering::Relaxed);
+                    return;
+                }
             }
-            task.cancel_unwound.store(true, Ordering::Relaxed);
+            task.unwinding.store(true, Ordering::Relaxed);
             std::panic::resume_unwind(Box::new(Cancelled));
         }
     }

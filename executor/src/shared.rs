@@ -129,6 +129,11 @@ pub(crate) struct Hot {
     /// Set by sysmon when the running fiber overran its time slice; read and
     /// cleared by `yield_if_needed` and by the worker between fibers.
     pub(crate) preempt: AtomicBool,
+    /// Whether the worker's thread was panicking when it resumed the
+    /// running fiber (another fiber suspended in the middle of an unwind):
+    /// if not, a panicking thread inside the fiber means the fiber itself
+    /// is unwinding (`ops::check_cancel`). Written by the worker only.
+    pub(crate) panicking_at_resume: AtomicBool,
     pub(crate) counters: WorkerCounters,
 }
 

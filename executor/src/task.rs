@@ -193,9 +193,10 @@ pub(crate) struct TaskHead {
     /// Set by `cancel`; read by workers before running and by the fiber at
     /// executor suspension points.
     pub(crate) cancelled: AtomicBool,
-    /// Set by the fiber itself when it starts unwinding for a cancel (see
-    /// `ops::check_cancel`); never cleared.
-    pub(crate) cancel_unwound: AtomicBool,
+    /// Set by the fiber itself when it is known to be unwinding: its cancel
+    /// unwind starts, or a cancellation point finds it unwinding from a
+    /// panic (see `ops::check_cancel`); never cleared.
+    pub(crate) unwinding: AtomicBool,
     /// Set once when the task is complete (value or error stored).
     pub(crate) finished: AtomicBool,
     /// Released once on completion, and by deadlock detection.
@@ -262,7 +263,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
                 started_fiber: AtomicU64::new(0),
                 name,
                 cancelled: AtomicBool::new(false),
-                cancel_unwound: AtomicBool::new(false),
+                unwinding: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
                 done: Semaphore::new(0),
                 error: Mutex::new(None),

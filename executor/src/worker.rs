@@ -238,7 +238,19 @@ impl Worker {
         }
         me.hot.running_fiber.store(fiber.id().as_u64(), Ordering::Relaxed);
         me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
+        let panicking_at_resume = std::thread::panicking();
+        me.hot.panicking_at_resume.store(panicking_at_resume, Ordering::Relaxed);
         let outcome = fiber.run_mut();
+        if std::thread::panicking() && !panicking_at_resume && fiber.sched_data() != 0 {
+            // The fiber switched out in the middle of its own unwind (a
+            // destructor that waits): from now on the thread's panic count
+            // is raised on its account too, and its cancellation points
+            // must know it is unwinding (`ops::check_cancel`).
+            // SAFETY: the sched word holds the task's reference while the
+            // fiber has not finished, and a fiber that finished is not
+            // panicking any more.
+            unsafe { TaskRef::borrow_raw(fiber.sched_data()) }.unwinding.store(true, Ordering::Relaxed);
+        }
         me.hot.running_fiber.store(0, Ordering::Relaxed);
         me.hot.running_task.store(0, Ordering::Relaxed);
         match outcome {

@@ -339,6 +339,26 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
             });
             assert!(matches!(h.join(), Err(JoinError::Panicked { .. })));
             assert_eq!(drops.load(Ordering::SeqCst), 4, "the guard's join returned");
+
+            // A cancelled fiber that panics on its own before reaching a
+            // cancellation point: its destructor's yields (before and after
+            // the suspension) find it unwinding already.
+            let (d, go) = (drops.clone(), Arc::new(std::sync::atomic::AtomicBool::new(false)));
+            let g = go.clone();
+            let h = one.spawn(move || {
+                let _guard = Guard(0, d);
+                while !g.load(Ordering::SeqCst) {
+                    std::hint::spin_loop();
+                }
+                panic!("a panic of its own, after the cancel");
+            });
+            while h.fiber_id().is_none() {
+                std::thread::yield_now(); // started: a cancel then waits for a cancellation point
+            }
+            h.cancel();
+            go.store(true, Ordering::SeqCst);
+            assert!(matches!(h.join(), Err(JoinError::Panicked { .. })));
+            assert_eq!(drops.load(Ordering::SeqCst), 5, "the destructor finished");
         }
         // And at shutdown: a fiber whose destructor yields, left running.
         let started = Arc::new(Semaphore::new(0));
@@ -353,7 +373,7 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         started.acquire();
         drop(exec);
         assert!(h.join().expect_err("shut down").is_cancelled());
-        assert_eq!(drops.load(Ordering::SeqCst), 5, "the destructor finished at shutdown");
+        assert_eq!(drops.load(Ordering::SeqCst), 6, "the destructor finished at shutdown");
         println!("child passed");
         return;
     }
