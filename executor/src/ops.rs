@@ -42,10 +42,14 @@ pub(crate) fn check_cancel() {
         let task = task_head(raw);
         if task.cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::Acquire) {
             // The thread is panicking, and it is this fiber's doing: the
-            // fiber is known to be unwinding (its cancel unwind, or a check
-            // like this one before), or the thread was not panicking when
-            // the worker resumed it. (After a `catch_unwind` the thread is
-            // not panicking, and the next point cancels again.)
+            // fiber is known to be unwinding (its cancel unwind, a check
+            // like this one before, or the worker saw it switch out
+            // mid-unwind), or the thread was not panicking when the worker
+            // resumed it. (Not panicking, the next point cancels: after a
+            // `catch_unwind`, say; the worker clears a stale mark at the
+            // next resume.) One case is not told apart: this fiber's own
+            // panic while another fiber on this worker is stuck mid-unwind
+            // (DESIGN.md, "Cancellation, scopes, shutdown").
             if std::thread::panicking() {
                 if task.unwinding.load(Ordering::Relaxed) {
                     return;

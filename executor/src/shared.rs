@@ -130,9 +130,10 @@ pub(crate) struct Hot {
     /// cleared by `yield_if_needed` and by the worker between fibers.
     pub(crate) preempt: AtomicBool,
     /// Whether the worker's thread was panicking when it resumed the
-    /// running fiber (another fiber suspended in the middle of an unwind):
-    /// if not, a panicking thread inside the fiber means the fiber itself
-    /// is unwinding (`ops::check_cancel`). Written by the worker only.
+    /// running fiber (a fiber, this one or another, suspended in the middle
+    /// of an unwind): if not, a panicking thread inside the fiber means the
+    /// fiber itself is unwinding (`ops::check_cancel`). Written by the
+    /// worker only.
     pub(crate) panicking_at_resume: AtomicBool,
     pub(crate) counters: WorkerCounters,
 }

@@ -193,9 +193,11 @@ pub(crate) struct TaskHead {
     /// Set by `cancel`; read by workers before running and by the fiber at
     /// executor suspension points.
     pub(crate) cancelled: AtomicBool,
-    /// Set by the fiber itself when it is known to be unwinding: its cancel
-    /// unwind starts, or a cancellation point finds it unwinding from a
-    /// panic (see `ops::check_cancel`); never cleared.
+    /// Set when the fiber is known to be unwinding: its cancel unwind
+    /// starts, a cancellation point finds it unwinding from a panic, or
+    /// the worker sees it switch out mid-unwind (see `ops::check_cancel`);
+    /// cleared by the worker when it resumes the fiber on a thread that is
+    /// not panicking (the unwind was caught).
     pub(crate) unwinding: AtomicBool,
     /// Set once when the task is complete (value or error stored).
     pub(crate) finished: AtomicBool,

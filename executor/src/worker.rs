@@ -153,10 +153,14 @@ impl Worker {
             if outside_first {
                 let own = &ctx.me().fresh[class];
                 let global = &ctx.shared.global[class];
-                let taken = (!own.is_empty())
-                    .then(|| retry(|| own.steal()))
-                    .flatten()
-                    .or_else(|| (active && !global.is_empty()).then(|| retry(|| global.steal())).flatten());
+                let from_own = || (!own.is_empty()).then(|| retry(|| own.steal())).flatten();
+                let from_global =
+                    || (active && !global.is_empty()).then(|| retry(|| global.steal())).flatten();
+                // By turns, so that neither starves the other either.
+                let taken = match (self.tick / OUTSIDE_EVERY) % 2 {
+                    0 => from_own().or_else(from_global),
+                    _ => from_global().or_else(from_own),
+                };
                 if let Some(j) = taken {
                     return Some(Next::Fresh(j));
                 }
@@ -240,16 +244,23 @@ impl Worker {
         me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
         let panicking_at_resume = std::thread::panicking();
         me.hot.panicking_at_resume.store(panicking_at_resume, Ordering::Relaxed);
+        // SAFETY (both uses below): the sched word holds a counted
+        // reference to the task until `take_task`, which runs after this
+        // (in `finish`, `drain` or `orphaned`), never during the run.
+        let task = |raw: usize| unsafe { TaskRef::borrow_raw(raw) };
+        let raw = fiber.sched_data();
+        if !panicking_at_resume && raw != 0 && task(raw).unwinding.load(Ordering::Relaxed) {
+            // A fiber stuck in the middle of an unwind keeps the thread
+            // panicking; this one is not unwinding (it caught the panic).
+            task(raw).unwinding.store(false, Ordering::Relaxed);
+        }
         let outcome = fiber.run_mut();
-        if std::thread::panicking() && !panicking_at_resume && fiber.sched_data() != 0 {
+        if std::thread::panicking() && !panicking_at_resume && raw != 0 {
             // The fiber switched out in the middle of its own unwind (a
             // destructor that waits): from now on the thread's panic count
             // is raised on its account too, and its cancellation points
             // must know it is unwinding (`ops::check_cancel`).
-            // SAFETY: the sched word holds the task's reference while the
-            // fiber has not finished, and a fiber that finished is not
-            // panicking any more.
-            unsafe { TaskRef::borrow_raw(fiber.sched_data()) }.unwinding.store(true, Ordering::Relaxed);
+            task(raw).unwinding.store(true, Ordering::Relaxed);
         }
         me.hot.running_fiber.store(0, Ordering::Relaxed);
         me.hot.running_task.store(0, Ordering::Relaxed);

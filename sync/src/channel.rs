@@ -14,12 +14,11 @@
 //!   themselves, e.g. a header followed by its payload in one block
 //!   ([`MsgHeader::init_trailing`]).
 
-use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -52,7 +51,7 @@ pub struct MsgHeader {
     /// The channel's push count when this header was pushed: its place in
     /// the FIFO when a dropped receiver gives it back. Written by the
     /// channel under its lock.
-    seq: Cell<u64>,
+    seq: AtomicU64,
     /// Payload address.
     pub buf: *mut u8,
     /// Payload length in bytes.
@@ -66,7 +65,7 @@ unsafe impl Send for MsgHeader {}
 impl MsgHeader {
     /// A header describing the payload at `buf` of `len` bytes.
     pub const fn new(buf: *mut u8, len: usize) -> MsgHeader {
-        MsgHeader { next: AtomicPtr::new(NOT_QUEUED), seq: Cell::new(0), buf, len }
+        MsgHeader { next: AtomicPtr::new(NOT_QUEUED), seq: AtomicU64::new(0), buf, len }
     }
 
     /// Initialises the header at `this` for a payload of `len` bytes that
@@ -141,9 +140,9 @@ impl Synced {
         // reached its receiver, so it is still the channel's; queued
         // headers are valid until popped.
         unsafe {
-            let seq = (*msg).seq.get();
+            let seq = (*msg).seq.load(Ordering::Relaxed);
             let (mut prev, mut cur) = (ptr::null_mut::<MsgHeader>(), self.head);
-            while !cur.is_null() && (*cur).seq.get() < seq {
+            while !cur.is_null() && (*cur).seq.load(Ordering::Relaxed) < seq {
                 prev = cur;
                 cur = (*cur).next.load(Ordering::Relaxed);
             }
@@ -263,7 +262,7 @@ impl RawChannel {
         }
         synced.pushes += 1;
         // SAFETY: as above; the channel owns the header from here.
-        unsafe { msg.as_ref().seq.set(synced.pushes) };
+        unsafe { msg.as_ref().seq.store(synced.pushes, Ordering::Relaxed) };
         if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
             // SAFETY: as above; the receiver's `pop` marks it unqueued.
             unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
