@@ -828,10 +828,21 @@ impl<T: Send + 'static> Fiber<T> {
     /// scheduler a wake sends the fiber back to (`None` keeps the home it
     /// has; [`set_home`](Fiber::set_home) clears it). Undo with
     /// [`mark_dequeued`](Fiber::mark_dequeued) if the fiber is not queued
-    /// after all. A home it replaces is dropped before this returns (after
-    /// the fiber is `Queued`): if that was its last reference, whatever
-    /// that scheduler owns is dropped here, inside the caller's locks.
-    pub fn mark_queued(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
+    /// after all.
+    ///
+    /// Returns the home this replaced, if any. A scheduler that holds a
+    /// lock here should drop it after letting go: if it was that home's
+    /// last reference, its drop runs whatever that scheduler owns, and that
+    /// may take the same lock (as `RunQueue::try_push` does).
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not `Ready` (running, queued, asleep, finished, or
+    /// without a function); nothing changed.
+    pub fn mark_queued(
+        &self,
+        home: Option<&Arc<dyn Schedule<T>>>,
+    ) -> Result<Option<Arc<dyn Schedule<T>>>, FiberError> {
         let h = self.header();
         h.state
             .transition(FiberState::Ready, FiberState::Locked)
@@ -845,19 +856,24 @@ impl<T: Send + 'static> Fiber<T> {
             }
         }
         h.state.store(FiberState::Queued);
-        // The previous home goes only now: if this was its last reference,
-        // its drop runs whatever it owns, which must not find this fiber
-        // `Locked`. (Should that drop panic, the fiber is `Queued` already:
-        // a caller that unwinds before queueing it, as `RunQueue::try_push`
-        // would, leaves it `Queued` in no queue.)
-        drop(replaced);
-        Ok(())
+        // The previous home is handed out only now: if this was its last
+        // reference, its drop runs whatever it owns, which must not find
+        // this fiber `Locked`.
+        Ok(replaced)
     }
 
     /// For schedulers: sets the scheduler a wake sends this `Ready` fiber
     /// back to, without queueing it (e.g. after taking it from another
-    /// worker's queue).
-    pub fn set_home(&self, home: Option<&Arc<dyn Schedule<T>>>) -> Result<(), FiberError> {
+    /// worker's queue). Returns the home this replaced, if any, as
+    /// [`mark_queued`](Fiber::mark_queued) does.
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not `Ready`; nothing changed.
+    pub fn set_home(
+        &self,
+        home: Option<&Arc<dyn Schedule<T>>>,
+    ) -> Result<Option<Arc<dyn Schedule<T>>>, FiberError> {
         let h = self.header();
         h.state
             .transition(FiberState::Ready, FiberState::Locked)
@@ -869,9 +885,8 @@ impl<T: Send + 'static> Fiber<T> {
             _ => std::mem::replace(&mut slot.home, home.cloned()),
         };
         h.state.store(FiberState::Ready);
-        // As in `mark_queued`: the previous home is dropped unlocked.
-        drop(replaced);
-        Ok(())
+        // As in `mark_queued`: the previous home goes out unlocked.
+        Ok(replaced)
     }
 
     /// Finishes a wake the caller owns (state `Locked`).

@@ -323,11 +323,17 @@ impl<T: Send + 'static> RunQueue<T> {
             return Err(PushError::Full(fiber));
         }
         // Under the lock, so a fiber refused as full is never re-homed here.
-        if let Err(e) = fiber.mark_queued(Some(&self.home)) {
-            drop(synced);
-            return Err(PushError::NotReady(fiber, e));
-        }
+        let replaced = match fiber.mark_queued(Some(&self.home)) {
+            Ok(replaced) => replaced,
+            Err(e) => {
+                drop(synced);
+                return Err(PushError::NotReady(fiber, e));
+            }
+        };
         self.shared.insert(synced, fiber);
+        // The fiber's previous home, if this was its last reference, is
+        // dropped after the lock: its drop may use this queue.
+        drop(replaced);
         Ok(())
     }
 
@@ -439,13 +445,14 @@ impl<T: Send + 'static> RunQueue<T> {
 
     #[cold]
     fn wrong_thread(&self, fiber: &Fiber<T>) {
-        if fiber.mark_queued(Some(&self.home)).is_ok() {
+        if let Ok(replaced) = fiber.mark_queued(Some(&self.home)) {
             let mut synced = self.shared.synced.lock();
             synced.stats.wrong_thread += 1;
             synced.elsewhere.push(fiber.clone());
             self.shared.len_hint.store(synced.len(), Ordering::Relaxed);
             drop(synced);
             self.shared.not_empty.notify_all();
+            drop(replaced);
         }
     }
 
@@ -460,9 +467,10 @@ impl<T: Send + 'static> RunQueue<T> {
     /// it back here; it finished; someone else queued or runs it): it is
     /// left alone, and the error says where it is.
     pub fn requeue(&self, fiber: &Fiber<T>) -> Result<(), FiberError> {
-        fiber.mark_queued(Some(&self.home))?;
+        let replaced = fiber.mark_queued(Some(&self.home))?;
         let synced = self.shared.synced.lock();
         self.shared.insert(synced, fiber.clone());
+        drop(replaced);
         Ok(())
     }
 

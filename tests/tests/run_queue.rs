@@ -635,3 +635,74 @@ fn a_fiber_set_aside_counts_against_the_capacity() {
         assert!(queue.is_empty());
     });
 }
+
+/// A fiber's previous home (a scheduler of the user's) whose last reference
+/// the fiber held is dropped by `try_push` after the queue's lock: its drop
+/// may use the queue. (It deadlocked when the drop ran under the lock.)
+#[test]
+fn a_home_replaced_by_a_push_is_dropped_outside_the_queue_lock() {
+    use spindle_fiber::Schedule;
+
+    struct Elsewhere {
+        queue: RunQueue<()>,
+        len_seen_on_drop: Arc<Mutex<Option<usize>>>,
+    }
+    impl Schedule<()> for Elsewhere {
+        fn schedule(&self, fiber: Fiber<()>) {
+            drop(fiber);
+        }
+    }
+    impl Drop for Elsewhere {
+        fn drop(&mut self) {
+            *self.len_seen_on_drop.lock().unwrap() = Some(self.queue.len());
+        }
+    }
+
+    watchdog("a_home_replaced_by_a_push_is_dropped_outside_the_queue_lock", 30, |_stage| {
+        let queue = RunQueue::<()>::new(4);
+        let seen = Arc::new(Mutex::new(None));
+        let f = fiber(Priority::NORMAL, || {});
+        let elsewhere: Arc<dyn Schedule<()>> =
+            Arc::new(Elsewhere { queue: queue.clone(), len_seen_on_drop: seen.clone() });
+        assert!(f.set_home(Some(&elsewhere)).unwrap().is_none());
+        drop(elsewhere); // the fiber holds its last reference now
+        queue.try_push(f).unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(1),
+            "the old home was dropped by the push, after the fiber was in the queue"
+        );
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+    });
+}
+
+/// `mark_queued` and `set_home` hand back the home they replace (for the
+/// caller to drop outside its locks), and nothing when the home is the same
+/// or none is given.
+#[test]
+fn mark_queued_and_set_home_hand_back_the_home_they_replace() {
+    use spindle_fiber::Schedule;
+
+    let a = RunQueue::<()>::new(4);
+    let b = RunQueue::<()>::new(4);
+    let f = fiber(Priority::NORMAL, || {});
+    a.try_push(f.clone()).unwrap();
+    let f = a.try_pop().unwrap();
+    let b_home: Arc<dyn Schedule<()>> = Arc::new(NoopHome);
+    let replaced = f.set_home(Some(&b_home)).unwrap().expect("the fiber's home was queue a");
+    drop(replaced);
+    assert!(f.set_home(Some(&b_home)).unwrap().is_none(), "the same home is not replaced");
+    assert!(f.mark_queued(None).unwrap().is_none(), "no home given keeps the one it has");
+    f.mark_dequeued().unwrap();
+    let replaced = f.set_home(None).unwrap().expect("set_home(None) hands back the home it clears");
+    assert!(Arc::ptr_eq(&replaced, &b_home));
+    b.try_push(f).unwrap();
+    assert!(matches!(b.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+
+    struct NoopHome;
+    impl Schedule<()> for NoopHome {
+        fn schedule(&self, fiber: Fiber<()>) {
+            drop(fiber);
+        }
+    }
+}
