@@ -31,9 +31,9 @@ pub const MAX_WORKERS: usize = 1024;
 /// too, even when it is only sleeping on a timer) looks deadlocked once
 /// that thread has been quiet for the grace period
 /// ([`Builder::deadlock_grace`]). A thread waiting in
-/// [`Executor::scope`](crate::Executor::scope) for its fibers is not a
-/// join that detection fails: a scope whose fibers can never finish hangs
-/// without a report. Programs whose fibers wait
+/// [`Executor::scope`](crate::Executor::scope) for fibers that can never
+/// finish is reported too, but it cannot be failed: it keeps waiting (as
+/// with `Report`). Programs whose fibers wait
 /// for such threads use [`Report`](OnDeadlock::Report) or
 /// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -163,6 +163,10 @@ fn options_priority(o: &SpawnOptions) -> spindle_fiber::Priority {
     o.priority_value()
 }
 
+/// What a scope's owner waits on, in deadlock reports.
+static SCOPE_WAIT: spindle_fiber::WaitReason =
+    spindle_fiber::WaitReason("the end of a scope's fibers (Executor::scope)");
+
 pub(crate) fn scope<'env, F, R>(handle: &Handle, f: F) -> R
 where
     F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> R,
@@ -200,12 +204,20 @@ where
         while state.pending.load(Ordering::Acquire) > 0 {
             std::thread::yield_now();
         }
-    } else {
-        // A fiber sleeps (its worker runs the scoped fibers meanwhile); a
-        // thread blocks.
+    } else if spindle_fiber::in_fiber() {
+        // A fiber sleeps (its worker runs the scoped fibers meanwhile).
         while state.pending.load(Ordering::Acquire) > 0 {
-            state.done.acquire();
+            state.done.acquire_for(&SCOPE_WAIT);
         }
+    } else if state.pending.load(Ordering::Acquire) > 0 {
+        // A thread blocks, visible to deadlock detection.
+        let shared = &scope.handle.shared;
+        shared.blocked_scopes.fetch_add(1, Ordering::AcqRel);
+        shared.sysmon_unparker.unpark();
+        while state.pending.load(Ordering::Acquire) > 0 {
+            state.done.acquire_for(&SCOPE_WAIT);
+        }
+        shared.blocked_scopes.fetch_sub(1, Ordering::AcqRel);
     }
     std::mem::forget(unwinding);
     match result {

@@ -244,6 +244,9 @@ pub(crate) struct Shared {
     /// Threads blocked in `join`/`block_on`: their tasks, for deadlock
     /// detection.
     pub(crate) blocked_joiners: Mutex<Vec<TaskRef>>,
+    /// Threads blocked in `scope`, waiting for its fibers: deadlock
+    /// detection reports them (a scope cannot be failed).
+    pub(crate) blocked_scopes: AtomicUsize,
     pub(crate) timers: Timers,
     /// Shutdown has begun: unstarted jobs are dropped, started fibers
     /// unwind at their next executor suspension point.
@@ -301,6 +304,7 @@ impl Shared {
                 searching: CachePadded::new(AtomicUsize::new(0)),
                 next_spawn: CachePadded::new(AtomicUsize::new(0)),
                 blocked_joiners: Mutex::new(Vec::new()),
+                blocked_scopes: AtomicUsize::new(0),
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),
                 exit: AtomicBool::new(false),

@@ -81,15 +81,16 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         // episode (an episode ends when any of that changes).
         let candidate = all_parked
             && shared.config.on_deadlock != OnDeadlock::Ignore
-            && !shared.blocked_joiners.lock().is_empty()
+            && (!shared.blocked_joiners.lock().is_empty()
+                || shared.blocked_scopes.load(Ordering::Acquire) > 0)
             && !shared.pending_work()
             && shared.timers.is_empty()
             && shared.live() > 0;
         match deadlock_suspect {
             Some((b, since)) if candidate && b == beats => {
                 if !deadlock_reported && now - since >= shared.config.deadlock_grace {
-                    report_deadlock(&shared);
-                    if shared.config.on_deadlock == OnDeadlock::FailJoin {
+                    let failed = report_deadlock(&shared);
+                    if failed > 0 {
                         // Those joins are failed; a join made after them
                         // is a new episode.
                         deadlock_suspect = None;
@@ -201,7 +202,8 @@ pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
     Ok(())
 }
 
-fn report_deadlock(shared: &Shared) {
+/// Reports a deadlock and acts on it; returns how many joins it failed.
+fn report_deadlock(shared: &Shared) -> usize {
     let mut report = String::new();
     for w in shared.workers.iter() {
         for fiber in w.sleeping.lock().values() {
@@ -222,14 +224,23 @@ fn report_deadlock(shared: &Shared) {
     if report.is_empty() {
         report.push_str("  (no sleeping fiber found: they wait on primitives outside this executor)\n");
     }
+    let scopes = shared.blocked_scopes.load(Ordering::Acquire);
+    if scopes > 0 {
+        let _ = writeln!(
+            report,
+            "  and {scopes} thread(s) wait in Executor::scope for its fibers (a scope cannot be failed: it \
+             keeps waiting)"
+        );
+    }
     shared.stats.deadlocks.fetch_add(1, Ordering::Relaxed);
     eprintln!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
     match shared.config.on_deadlock {
         OnDeadlock::Abort => std::process::abort(),
-        OnDeadlock::Report | OnDeadlock::Ignore => return,
+        OnDeadlock::Report | OnDeadlock::Ignore => return 0,
         OnDeadlock::FailJoin => {}
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
+    let mut failed = 0;
     for task in joiners {
         // A task that completed meanwhile (its joiner not yet off the list)
         // keeps its own outcome: checked under the error's lock, which its
@@ -243,5 +254,7 @@ fn report_deadlock(shared: &Shared) {
             *error = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         }
         task.done.release(1);
+        failed += 1;
     }
+    failed
 }

@@ -235,3 +235,35 @@ fn abort_prints_the_report_then_aborts() {
         assert!(!stderr.contains("the join returned"), "{stderr}");
     }
 }
+
+/// A thread waiting in `scope` for a fiber that waits forever is reported
+/// (once per episode: a scope cannot be failed, so it keeps waiting), and
+/// the scope returns once the fiber is let go.
+#[test]
+fn a_scope_waiting_for_a_fiber_that_waits_forever_is_reported() {
+    watchdog("a_scope_waiting_for_a_fiber_that_waits_forever_is_reported", 30, |stage| {
+        let exec = Executor::builder().workers(1).deadlock_grace(Duration::from_millis(50)).build();
+        let never = Semaphore::new(0);
+        let handle = exec.handle();
+        std::thread::scope(|threads| {
+            threads.spawn(|| {
+                // Lets the scoped fiber go once the deadlock was reported,
+                // and a few sysmon rounds later (a second report would be
+                // a bug; deadlock detection looks at least every 10 ms).
+                while handle.stats().deadlocks == 0 {
+                    std::thread::yield_now();
+                }
+                let reported = std::time::Instant::now();
+                while reported.elapsed() < Duration::from_millis(200) {
+                    std::thread::yield_now();
+                }
+                never.release(1);
+            });
+            stage.set("a scope waits for a fiber that waits on a semaphore nobody releases until reported");
+            exec.scope(|s| {
+                s.spawn_with(SpawnOptions::new().name("forever"), || never.acquire());
+            });
+        });
+        assert_eq!(exec.stats().deadlocks, 1, "reported once for the one episode");
+    });
+}
