@@ -64,7 +64,10 @@ impl FiberAttr {
     /// [`MAX_STACK_SIZE`](crate::MAX_STACK_SIZE) is accepted ([`Fiber::new`]
     /// refuses the rest), but std's panic machinery alone needs about 8 KiB (32 KiB
     /// when `RUST_BACKTRACE` is set): a fiber that may panic, format or
-    /// call deep library code wants more. Overflowing aborts the process
+    /// call deep library code wants more. So does a closure with captures
+    /// of a few hundred bytes on the smallest stacks: up to 256 bytes it
+    /// is kept on the fiber's stack (larger ones are boxed), and a debug
+    /// build copies it there more than once. Overflowing aborts the process
     /// with a report naming the fiber.
     #[must_use = "FiberAttr is a builder: pass the returned value to Fiber::new"]
     pub fn stack_size(mut self, bytes: usize) -> FiberAttr {
@@ -504,10 +507,15 @@ impl<T: Send + 'static> Fiber<T> {
         F: FnOnce() -> T + Send + 'static,
     {
         // corosensei moves the function onto the fiber's stack and refuses
-        // one over 1 KiB (a panic, with the state already claimed). A large
-        // closure goes behind a Box: one allocation, for large captures
-        // only (the size is known at compile time, so the branch is too).
-        if std::mem::size_of::<F>() > MAX_INLINE_FUNCTION {
+        // one over 1 KiB (a panic, with the state already claimed). It
+        // aligns the stack pointer down for the function without a bounds
+        // check, so an over-aligned closure (a capture of
+        // `#[repr(align(1 << 20))]`, even a zero-sized one) would be
+        // written below the guard page, into whatever is mapped there. A
+        // large or over-aligned closure goes behind a Box (a Box is
+        // pointer-aligned): one allocation, for those only (size and
+        // alignment are known at compile time, so the branch is too).
+        if std::mem::size_of::<F>() > MAX_INLINE_FUNCTION || std::mem::align_of::<F>() > MAX_INLINE_ALIGN {
             return self.install_sized(priority, Box::new(f), migratable);
         }
         self.install_sized(priority, f, migratable)
@@ -1101,9 +1109,15 @@ impl<T> Drop for Fiber<T> {
 const NO_PIN: u64 = u64::MAX;
 
 /// Largest function (closure with its captures) kept on the fiber's stack
-/// itself; larger ones are boxed (corosensei's limit is 1 KiB, and a
-/// minimum-size stack is 4 KiB).
+/// itself; larger ones are boxed (corosensei's limit is 1 KiB). A debug
+/// build copies the closure again to call it, so on a minimum-size stack
+/// (4 KiB) a closure near this size overflows (see `FiberAttr::stack_size`).
 const MAX_INLINE_FUNCTION: usize = 256;
+
+/// Largest alignment of a function kept on the fiber's stack itself: the
+/// stack alignment of the ABI, which corosensei keeps anyway. A function
+/// aligned more strictly is boxed.
+const MAX_INLINE_ALIGN: usize = 16;
 
 /// Drops one reference. If it was the last one and the fiber is suspended
 /// mid-function, the count is brought back to one while the stack is

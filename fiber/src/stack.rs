@@ -17,7 +17,7 @@ use crate::error::StackError;
 pub const DEFAULT_STACK_SIZE: usize = 128 * 1024;
 
 /// Smallest usable stack size accepted (what the context switch itself
-/// needs); see [`FiberAttr::stack_size`](crate::FiberAttr::stack_size) for
+/// needs, not what a function needs); see [`FiberAttr::stack_size`](crate::FiberAttr::stack_size) for
 /// what real code needs.
 pub const MIN_STACK_SIZE: usize = corosensei::stack::MIN_STACK_SIZE;
 
