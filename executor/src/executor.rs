@@ -566,10 +566,14 @@ impl<T: Send> JoinHandle<T> {
     /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
     /// `yield_timeout`, `join`, or `yield_if_needed` when it yields), and
     /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
-    /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once; one
-    /// asleep on a `spindle-sync` primitive, or blocked in `join` on
-    /// another fiber, first gets what it waits for, then unwinds at its next
-    /// executor suspension point.
+    /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once. One
+    /// blocked in `join` on another fiber waits until that fiber completes,
+    /// then unwinds in `join` (the joined fiber's value is dropped). One
+    /// asleep on a `spindle-sync` primitive (not a cancellation point) first
+    /// gets what it waits for, then unwinds at its next executor suspension
+    /// point: a fiber waiting on a channel nobody pushes to is not stopped
+    /// by a cancel (a semaphore or channel of your own that the canceller
+    /// signals is the way to reach it).
     ///
     /// A request, not a guarantee: a fiber that has already finished, or
     /// finishes without reaching a suspension point, keeps its result, and

@@ -460,6 +460,14 @@ impl<T: Send + 'static> Fiber<T> {
     ///
     /// The function is pinned to the thread that first runs it.
     ///
+    /// The function and its result must be `Send + 'static` even if you
+    /// only ever run the fiber on one thread: a `Fiber` handle may be sent
+    /// elsewhere before the first run, and a fiber outlives the frame that
+    /// created it. Share state with the driving loop through `Arc` and a
+    /// lock or atomics rather than `Rc`/`RefCell`, and pass values in and
+    /// out by yielding ([`yield_value`](crate::yield_value)) or through
+    /// that shared state.
+    ///
     /// Errors: [`FiberError::Busy`] while a started function is suspended,
     /// [`FiberError::Running`], [`FiberError::Queued`] or
     /// [`FiberError::Sleeping`] while it runs, waits in a queue or sleeps,

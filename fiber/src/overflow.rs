@@ -6,7 +6,7 @@
 //! in the guard page of the fiber running on this thread, it prints
 //!
 //! ```text
-//! fiber 'name' (#7) has overflowed its stack (131072 bytes)
+//! fiber 'name' (#7) has overflowed its stack (131072 bytes); give it a larger stack (its FiberAttr::stack_size)
 //! fatal runtime error: stack overflow in a fiber, aborting
 //! ```
 //!
@@ -152,7 +152,8 @@ fn report(h: &Header) -> ! {
     buf.push_num(h.id.as_u64());
     buf.push(b") has overflowed its stack (");
     buf.push_num(h.stack_size as u64);
-    buf.push(b" bytes)\nfatal runtime error: stack overflow in a fiber, aborting\n");
+    buf.push(b" bytes); give it a larger stack (its FiberAttr::stack_size)\n");
+    buf.push(b"fatal runtime error: stack overflow in a fiber, aborting\n");
     // SAFETY: write(2) and abort(3) are async-signal-safe.
     unsafe {
         libc::write(2, buf.bytes.as_ptr() as *const libc::c_void, buf.len);

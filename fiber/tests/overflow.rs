@@ -61,6 +61,7 @@ fn assert_fiber_report(out: &Output, name: &str) {
         id.as_str(),
         size.as_str(),
         "has overflowed its stack",
+        "give it a larger stack (its FiberAttr::stack_size)",
         "fatal runtime error: stack overflow in a fiber, aborting",
     ] {
         assert!(

@@ -8,9 +8,10 @@
 //! them, yielding now and then, and report their sums on a second channel
 //! that the main thread (an ordinary thread) reads. Every fiber is set up
 //! with the safe `set_function`, so it is pinned to the worker that first
-//! runs it: the workers keep popping until every fiber has finished, and
-//! only then stop (a worker that stopped earlier would strand the fibers
-//! pinned to it).
+//! runs it: the workers start before the fibers are pushed (so that the
+//! fibers spread over them), keep popping until every fiber has finished,
+//! and only then stop (a worker that stopped earlier would strand the
+//! fibers pinned to it).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,6 +29,39 @@ fn main() {
     let queue = RunQueue::new(CONSUMERS + 1);
     let numbers = Arc::new(Channel::<Option<u64>>::new());
     let sums = Arc::new(Channel::<u64>::new());
+
+    // The workers start first: a pinned fiber stays with the worker that
+    // ran it first, and fibers pushed before the workers start could all
+    // go to whichever wakes first.
+    let finished = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let (queue, finished) = (queue.clone(), finished.clone());
+            std::thread::spawn(move || {
+                let mut runs = 0u64;
+                // Until every fiber has finished, not until the queue looks
+                // empty: a sleeping fiber is in no queue, and may be pinned
+                // to this thread.
+                while finished.load(Ordering::Acquire) < CONSUMERS + 1 {
+                    let Some(fiber) = queue.pop_timeout(Duration::from_millis(10)) else { continue };
+                    runs += 1;
+                    match queue.run_popped(fiber).outcome {
+                        Ok(RunOutcome::Returned(())) => {
+                            finished.fetch_add(1, Ordering::Release);
+                        }
+                        Ok(RunOutcome::Panicked(p)) => {
+                            eprintln!("worker {w}: {p}");
+                            finished.fetch_add(1, Ordering::Release);
+                        }
+                        // Yielded: back in the queue; slept: a wake puts it back.
+                        Ok(_) => {}
+                        Err(e) => panic!("worker {w}: {e}"),
+                    }
+                }
+                runs
+            })
+        })
+        .collect();
 
     // The producer: every number, then one stop message per consumer.
     let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
@@ -63,36 +97,6 @@ fn main() {
             .unwrap();
         queue.try_push(consumer).unwrap();
     }
-
-    let finished = Arc::new(AtomicUsize::new(0));
-    let workers: Vec<_> = (0..WORKERS)
-        .map(|w| {
-            let (queue, finished) = (queue.clone(), finished.clone());
-            std::thread::spawn(move || {
-                let mut runs = 0u64;
-                // Until every fiber has finished, not until the queue looks
-                // empty: a sleeping fiber is in no queue, and may be pinned
-                // to this thread.
-                while finished.load(Ordering::Acquire) < CONSUMERS + 1 {
-                    let Some(fiber) = queue.pop_timeout(Duration::from_millis(10)) else { continue };
-                    runs += 1;
-                    match queue.run_popped(fiber).outcome {
-                        Ok(RunOutcome::Returned(())) => {
-                            finished.fetch_add(1, Ordering::Release);
-                        }
-                        Ok(RunOutcome::Panicked(p)) => {
-                            eprintln!("worker {w}: {p}");
-                            finished.fetch_add(1, Ordering::Release);
-                        }
-                        // Yielded: back in the queue; slept: a wake puts it back.
-                        Ok(_) => {}
-                        Err(e) => panic!("worker {w}: {e}"),
-                    }
-                }
-                runs
-            })
-        })
-        .collect();
 
     // An ordinary thread waits on the same channel type: it parks.
     let total: u64 = (0..CONSUMERS).map(|_| sums.pop().into_inner()).sum();
