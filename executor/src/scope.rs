@@ -54,6 +54,8 @@ struct ScopeState {
     /// Scoped fibers that unwound (panic or cancellation) and whose join
     /// did not report it, or whose value panicked when dropped.
     unwound: AtomicUsize,
+    /// What happened to the first of them, for the scope's panic.
+    first_unwound: parking_lot::Mutex<Option<String>>,
 }
 
 /// A scoped task's hold on its scope, given up by the task when it is
@@ -65,9 +67,10 @@ pub(crate) struct Finish(Arc<ScopeState>);
 
 impl Finish {
     /// The task is gone; `unwound`: it unwound or its value panicked when
-    /// dropped, and no join reported it.
-    pub(crate) fn done(self, unwound: bool) {
-        if unwound {
+    /// dropped, and no join reported it (what happened, for the report).
+    pub(crate) fn done(self, unwound: Option<String>) {
+        if let Some(what) = unwound {
+            self.0.first_unwound.lock().get_or_insert(what);
             self.0.unwound.fetch_add(1, Ordering::AcqRel);
         }
         self.0.pending.fetch_sub(1, Ordering::AcqRel);
@@ -177,6 +180,7 @@ where
             pending: AtomicUsize::new(0),
             done: Semaphore::new(0),
             unwound: AtomicUsize::new(0),
+            first_unwound: parking_lot::Mutex::new(None),
         }),
         _scope: PhantomData,
         _env: PhantomData,
@@ -223,8 +227,12 @@ where
     match result {
         Err(payload) => resume_unwind(payload),
         Ok(_) if state.unwound.load(Ordering::Acquire) > 0 => {
+            let n = state.unwound.load(Ordering::Acquire);
+            let first = state.first_unwound.lock().take().unwrap_or_default();
+            let more = if n > 1 { format!(" (and {} more)", n - 1) } else { String::new() };
             panic!(
-                "a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not joined"
+                "a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not \
+                 joined: {first}{more}"
             )
         }
         Ok(r) => r,

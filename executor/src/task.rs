@@ -150,7 +150,12 @@ impl fmt::Display for JoinError {
                 Ok(())
             }
             JoinError::Cancelled { fiber, name } => {
-                write!(f, "{} was cancelled before it finished", describe(fiber.as_ref(), name))
+                write!(
+                    f,
+                    "{} was cancelled before it finished (by JoinHandle::cancel, or by the executor's \
+                     shutdown)",
+                    describe(fiber.as_ref(), name)
+                )
             }
             JoinError::Deadlock { report } => write!(
                 f,
@@ -320,11 +325,24 @@ impl<T, F> Drop for TaskCell<T, F> {
         );
         let (result, job, error) =
             (self.result.get_mut().take(), self.job.get_mut().take(), self.head.error.get_mut().take());
+        // For the scope's final panic: what happened to it.
+        let what = match (&self.scope, &error) {
+            (Some(_), Some(e)) if unwound => Some(e.to_string()),
+            _ => None,
+        };
         // Contained (see the type's docs); the panic hook has reported it.
         let panicked = catch_unwind(AssertUnwindSafe(|| drop((result, job, error)))).is_err();
         if let Some(scope) = self.scope.take() {
+            let what = match (what, panicked) {
+                (Some(w), _) => Some(w),
+                (None, true) => Some(match &self.head.name {
+                    Some(n) => format!("the value of fiber '{n}' panicked when dropped"),
+                    None => "a fiber's value panicked when dropped".to_owned(),
+                }),
+                (None, false) => None,
+            };
             // Only now: nothing of the task's can touch the scope's borrows.
-            scope.done(unwound || panicked);
+            scope.done(what);
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{watchdog, Flag};
-use spindle_executor::{yield_now, Executor};
+use spindle_executor::{yield_now, Executor, SpawnOptions};
 
 #[test]
 fn scoped_fibers_borrow_locals_and_all_finish_before_return() {
@@ -93,7 +93,7 @@ fn scope_with_a_panicking_fiber_panics_at_the_end() {
         stage.set("a scope where one of eleven fibers panics");
         let result = catch_unwind(AssertUnwindSafe(|| {
             exec.scope(|s| {
-                s.spawn(|| {
+                s.spawn_with(SpawnOptions::new().name("failing"), || {
                     yield_now();
                     panic!("scoped fiber fails");
                 });
@@ -115,6 +115,10 @@ fn scope_with_a_panicking_fiber_panics_at_the_end() {
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_default();
         assert!(msg.contains("scope"), "unexpected panic message: {msg}");
+        assert!(
+            msg.contains("fiber 'failing'") && msg.contains("panicked: scoped fiber fails"),
+            "the scope's panic names the fiber and its panic: {msg}"
+        );
         assert!(body_returned.is_set(), "the scope panics at the end, after its body");
         assert_eq!(finished.load(Ordering::SeqCst), 10, "the other fibers still all finished first");
         stage.set("the executor still works after the scope panicked");
