@@ -173,7 +173,7 @@ impl Executor {
         F: FnOnce() -> T + Send + 'static,
         T: Send + 'static,
     {
-        self.spawn(f).join()
+        self.handle.block_on(f)
     }
 
     /// Structured concurrency: every fiber spawned on the scope is joined
@@ -236,6 +236,37 @@ impl Handle {
         F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
     {
         crate::scope::scope(self, f)
+    }
+
+    /// Runs `f` on a fiber and waits for it; see [`Executor::block_on`].
+    ///
+    /// ```
+    /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+    /// #     std::thread::sleep(std::time::Duration::from_secs(60));
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     std::process::exit(1)
+    /// # });
+    /// use spindle_executor::{Executor, Handle};
+    ///
+    /// let exec = Executor::builder().workers(1).build();
+    /// let outer = exec.block_on(|| {
+    ///     // Inside a fiber: the executor it runs on.
+    ///     let handle = Handle::current().unwrap();
+    ///     handle.block_on(|| 20).unwrap() + 1
+    /// });
+    /// assert_eq!(outer.unwrap(), 21);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`JoinHandle::join`].
+    #[track_caller]
+    pub fn block_on<F, T>(&self, f: F) -> Result<T, JoinError>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        self.spawn(f).join()
     }
 
     /// Spawns a fiber running `f`, with no name at [`Priority::NORMAL`].
