@@ -21,6 +21,10 @@ use crate::task::JoinError;
 /// Longest sysmon sleep while everything is idle.
 const IDLE_NAP: Duration = Duration::from_millis(10);
 
+/// Longest sysmon sleep while a worker is busy and the pool may still grow
+/// (half the default time slice).
+const BUSY_NAP: Duration = Duration::from_millis(5);
+
 struct Watch {
     beat: u64,
     since: Instant,
@@ -123,8 +127,11 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
 /// tick can change something:
 /// * everything parked (and no deadlock to confirm): a long nap;
 /// * work pending and room to scale: the sysmon interval (stuck detection);
-/// * otherwise (the pool is at its maximum, or nothing waits): only the
-///   time slices need watching, at half a slice.
+/// * room to scale but nothing waits: half a slice, at most `BUSY_NAP`, so
+///   that work spawned from outside behind a stuck worker (spawns do not
+///   wake sysmon) waits that long at most, whatever the time slice;
+/// * otherwise (the pool is at its maximum): only the time slices need
+///   watching, at half a slice.
 ///
 /// Timers cap the nap (the caller), and timer registrations and blocked
 /// joins wake sysmon early. While a deadlock is suspected it looks every
@@ -135,8 +142,12 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
         (c.deadlock_grace / 8).min(IDLE_NAP).max(c.sysmon_interval)
     } else if all_parked {
         IDLE_NAP
-    } else if shared.active.load(Ordering::Relaxed) < c.max_workers && shared.pending_work() {
-        c.sysmon_interval
+    } else if shared.active.load(Ordering::Relaxed) < c.max_workers {
+        if shared.pending_work() {
+            c.sysmon_interval
+        } else {
+            (c.time_slice / 2).min(BUSY_NAP).max(c.sysmon_interval)
+        }
     } else {
         (c.time_slice / 2).max(c.sysmon_interval)
     }

@@ -149,3 +149,40 @@ fn a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers() {
         assert_eq!(stats.scale_ups, 0, "workers were added for a fiber none of them could run: {stats:?}");
     });
 }
+
+/// A long time slice does not slow stuck detection: work spawned from a
+/// thread behind a worker that is stuck (no heartbeat) gets a new worker
+/// within sysmon's busy nap, not after half a slice (which was the nap
+/// while nothing was pending: here five minutes).
+#[test]
+fn a_long_time_slice_does_not_delay_scaling_up() {
+    watchdog("a_long_time_slice_does_not_delay_scaling_up", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(2).time_slice(Duration::from_secs(600)).build();
+        let (hogging, b_ran) = (Flag::new(), Flag::new());
+        stage.set("a fiber blocks the only worker until the job behind it has run");
+        let hog = {
+            let (hogging, b_ran) = (hogging.clone(), b_ran.clone());
+            exec.spawn(move || {
+                hogging.set();
+                while !b_ran.is_set() {
+                    std::thread::yield_now();
+                }
+            })
+        };
+        wait_for(&stage, "the hog to run", || hogging.is_set());
+        // Not synchronisation: time for sysmon to see the pool busy with
+        // nothing pending and take its busy nap, so that the job below
+        // arrives during that nap.
+        spin_for(Duration::from_millis(30));
+        stage.set("a job spawned behind the stuck worker (before the fix: waits for a 300 s nap)");
+        let b = {
+            let b_ran = b_ran.clone();
+            exec.spawn(move || b_ran.set())
+        };
+        // Polled, not joined: a thread's join wakes sysmon itself.
+        wait_for(&stage, "the job to run on an added worker", || b_ran.is_set());
+        hog.join().unwrap();
+        b.join().unwrap();
+        assert!(exec.stats().scale_ups >= 1, "{:?}", exec.stats());
+    });
+}
