@@ -473,22 +473,27 @@ impl Drop for Executor {
     fn drop(&mut self) {
         let handle = self.handle.clone();
         let sysmon = self.sysmon.take();
-        match crate::worker::current_worker() {
-            // Dropped inside one of its own fibers: that fiber's worker
-            // cannot go quiet until the fiber suspends or ends, so the
-            // shutdown is left to a thread of its own, and this returns.
-            Some(w) if Arc::ptr_eq(&w.shared, &handle.shared) => {
+        let own_worker =
+            crate::worker::current_worker().is_some_and(|w| Arc::ptr_eq(&w.shared, &handle.shared));
+        match own_worker || crate::sysmon::is_sysmon_of(&handle.shared) {
+            // Dropped on one of its own threads: inside one of its fibers,
+            // whose worker cannot go quiet until the fiber suspends or
+            // ends, or on its sysmon thread (a value whose last reference a
+            // stale timer held), which the shutdown joins and which fires
+            // the timers it waits for. The shutdown is left to a thread of
+            // its own, and this returns.
+            true => {
                 let spawned = std::thread::Builder::new()
                     .name("spindle-shutdown".into())
                     .spawn(move || shut_down(handle, sysmon));
                 if let Err(e) = spawned {
                     eprintln!(
                         "spindle-executor: cannot start a thread to shut down the executor dropped \
-                         in its own fiber ({e}); its threads are left running"
+                         on one of its own threads ({e}); its threads are left running"
                     );
                 }
             }
-            _ => shut_down(handle, sysmon),
+            false => shut_down(handle, sysmon),
         }
     }
 }

@@ -30,7 +30,20 @@ struct Watch {
     since: Instant,
 }
 
+std::thread_local! {
+    /// The executor whose sysmon this thread is (null elsewhere).
+    static SYSMON_OF: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+/// Whether the calling thread is the sysmon thread of `shared`'s executor:
+/// a value dropped there (the last reference of a stale timer) may drop
+/// the `Executor` itself, whose shutdown must then not join this thread.
+pub(crate) fn is_sysmon_of(shared: &Shared) -> bool {
+    SYSMON_OF.with(|s| std::ptr::eq(s.get(), shared))
+}
+
 pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
+    SYSMON_OF.with(|s| s.set(Arc::as_ptr(&shared)));
     let mut watch: Vec<Watch> =
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
@@ -268,4 +281,57 @@ fn report_deadlock(shared: &Shared) -> usize {
         failed += 1;
     }
     failed
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use crate::Executor;
+
+    /// An `Executor` dropped on its sysmon thread (where a stale timer's
+    /// task reference may hold its last reference) hands its shutdown to a
+    /// thread of its own: the shutdown joins sysmon, and waits for fibers
+    /// that sysmon's timers may have to wake. Here the calling thread is
+    /// marked as the sysmon thread, and a fiber that keeps the executor
+    /// from going quiet ends only after the drop returns.
+    #[test]
+    fn an_executor_dropped_on_its_sysmon_thread_shuts_down_elsewhere() {
+        let exec = Executor::builder().workers(1).build();
+        let (started, release) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let busy = {
+            let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+            exec.spawn(move || {
+                started.store(true, Ordering::SeqCst);
+                while !release.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
+            })
+        };
+        while !started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let handle = exec.handle();
+        let dropper = std::thread::spawn(move || {
+            super::SYSMON_OF.with(|s| s.set(Arc::as_ptr(&handle.shared)));
+            drop(exec);
+            super::SYSMON_OF.with(|s| s.set(std::ptr::null()));
+            handle
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !dropper.is_finished() {
+            assert!(Instant::now() < deadline, "the drop on the sysmon thread waited for the shutdown");
+            std::thread::yield_now();
+        }
+        let handle = dropper.join().unwrap();
+        release.store(true, Ordering::SeqCst);
+        busy.join().expect("the busy fiber finished normally");
+        // The shutdown goes on on its own thread: spawns fail once it began.
+        while !handle.spawn(|| ()).join().is_err_and(|e| e.is_cancelled()) {
+            assert!(Instant::now() < deadline, "the executor never shut down");
+            std::thread::yield_now();
+        }
+    }
 }
