@@ -30,12 +30,14 @@ pub const MAX_WORKERS: usize = 1024;
 /// channel, say, or a fiber of another executor, which counts as outside
 /// too, even when it is only sleeping on a timer) looks deadlocked once
 /// that thread has been quiet for the grace period
-/// ([`Builder::deadlock_grace`]). A thread waiting in
-/// [`Executor::scope`](crate::Executor::scope) for fibers that can never
-/// finish is reported too, but it cannot be failed: it keeps waiting (as
-/// with `Report`). Programs whose fibers wait
-/// for such threads use [`Report`](OnDeadlock::Report) or
+/// ([`Builder::deadlock_grace`]). Programs whose fibers wait for such
+/// outside threads use [`Report`](OnDeadlock::Report) or
 /// [`Ignore`](OnDeadlock::Ignore), or a longer grace period.
+///
+/// A thread waiting in [`Executor::scope`](crate::Executor::scope) for
+/// fibers that can never finish is detected and reported too, but under
+/// `FailJoin` it cannot be failed: its fibers may borrow from its frame, so
+/// it keeps waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnDeadlock {
@@ -195,7 +197,7 @@ impl Builder {
     }
 
     /// How long the executor must look deadlocked (a thread blocked in a
-    /// join, every worker parked, nothing queued, no timer pending, no
+    /// join or waiting in a scope, every worker parked, nothing queued, no timer pending, no
     /// heartbeat) before it is reported (default 1 s). See [`OnDeadlock`]
     /// for what detection cannot see.
     pub fn deadlock_grace(mut self, d: Duration) -> Builder {

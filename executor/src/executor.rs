@@ -20,8 +20,9 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// Dropping it shuts it down: workers and sysmon stop, fibers still queued
 /// or asleep in the executor (in `sleep`, `join`, a yield) are unwound on
 /// their worker and their joins fail with [`JoinError::Cancelled`], and
-/// every thread is joined before `drop` returns. (Dropped inside one of its
-/// own fibers, it cannot wait for that fiber: the shutdown then runs on a
+/// every thread is joined before `drop` returns. (Dropped on one of its own
+/// threads, inside one of its fibers or on its monitor thread by a value's
+/// `Drop`, it cannot wait for that thread: the shutdown then runs on a
 /// thread of its own, and `drop` returns at once.) Fibers asleep on a
 /// `spindle-sync` primitive are not unwound by the shutdown (their joins
 /// fail as cancelled): the primitive's wait list holds them. One signalled
@@ -575,6 +576,7 @@ impl<T: Send> JoinHandle<T> {
             } else {
                 // A blocked thread: visible to deadlock detection.
                 self.shared.blocked_joiners.lock().push(task.clone());
+                self.shared.blocked_generation.fetch_add(1, Ordering::AcqRel);
                 self.shared.sysmon_unparker.unpark();
                 task.done.acquire_for(&JOINING);
                 let mut joiners = self.shared.blocked_joiners.lock();

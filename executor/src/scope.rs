@@ -217,6 +217,7 @@ where
         // A thread blocks, visible to deadlock detection.
         let shared = &scope.handle.shared;
         shared.blocked_scopes.fetch_add(1, Ordering::AcqRel);
+        shared.blocked_generation.fetch_add(1, Ordering::AcqRel);
         shared.sysmon_unparker.unpark();
         while state.pending.load(Ordering::Acquire) > 0 {
             state.done.acquire_for(&SCOPE_WAIT);
@@ -232,7 +233,7 @@ where
             let more = if n > 1 { format!(" (and {} more)", n - 1) } else { String::new() };
             panic!(
                 "a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not \
-                 joined: {first}{more}"
+                 joined: {first}{more} (join its ScopedJoinHandle to handle that outcome yourself)"
             )
         }
         Ok(r) => r,

@@ -247,6 +247,10 @@ pub(crate) struct Shared {
     /// Threads blocked in `scope`, waiting for its fibers: deadlock
     /// detection reports them (a scope cannot be failed).
     pub(crate) blocked_scopes: AtomicUsize,
+    /// Bumped whenever a thread starts blocking in `join`/`block_on` or
+    /// waiting in `scope`: a new blocked thread starts a new deadlock
+    /// episode, reported (and its join failed) in its own right.
+    pub(crate) blocked_generation: AtomicU64,
     pub(crate) timers: Timers,
     /// Shutdown has begun: unstarted jobs are dropped, started fibers
     /// unwind at their next executor suspension point.
@@ -305,6 +309,7 @@ impl Shared {
                 next_spawn: CachePadded::new(AtomicUsize::new(0)),
                 blocked_joiners: Mutex::new(Vec::new()),
                 blocked_scopes: AtomicUsize::new(0),
+                blocked_generation: AtomicU64::new(0),
                 timers: Timers::new(),
                 shutdown: AtomicBool::new(false),
                 exit: AtomicBool::new(false),

@@ -4,8 +4,8 @@
 //!
 //! Every `sysmon_interval` (250 µs by default) while anything is going on;
 //! when every worker is parked and no timer is pending it sleeps longer
-//! (until woken by a timer registration, a thread blocking in a join, or
-//! shutdown).
+//! (until woken by a timer registration, a thread blocking in a join or a
+//! scope, or shutdown).
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -47,9 +47,10 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
     let mut watch: Vec<Watch> =
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
-    // Since when (and at which heartbeat sum) the pool has looked
-    // deadlocked, and whether this episode was reported.
-    let mut deadlock_suspect: Option<(u64, Instant)> = None;
+    // Since when (and at which heartbeat sum and blocked-thread
+    // generation) the pool has looked deadlocked, and whether this episode
+    // was reported.
+    let mut deadlock_suspect: Option<(u64, u64, Instant)> = None;
     let mut deadlock_reported = false;
     while !shared.exit.load(Ordering::Acquire) {
         let now = Instant::now();
@@ -92,10 +93,14 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             last_scale = now;
         }
 
-        // Deadlock: a thread is blocked in join, every worker is parked,
-        // nothing is queued, no timer is pending, and tasks remain, with no
-        // heartbeat in between, for the grace period. Reported once per
-        // episode (an episode ends when any of that changes).
+        // Deadlock: a thread is blocked in join or waits in a scope, every
+        // worker is parked, nothing is queued, no timer is pending, and
+        // tasks remain, with no heartbeat and no thread newly blocked in
+        // between, for the grace period. Reported once per episode (an
+        // episode ends when any of that changes; the joins failed by the
+        // report leave, and a thread that blocks after them, in a join or
+        // a scope, starts a new one).
+        let blocked_since = shared.blocked_generation.load(Ordering::Acquire);
         let candidate = all_parked
             && shared.config.on_deadlock != OnDeadlock::Ignore
             && (!shared.blocked_joiners.lock().is_empty()
@@ -104,20 +109,14 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             && shared.timers.is_empty()
             && shared.live() > 0;
         match deadlock_suspect {
-            Some((b, since)) if candidate && b == beats => {
+            Some((b, g, since)) if candidate && b == beats && g == blocked_since => {
                 if !deadlock_reported && now - since >= shared.config.deadlock_grace {
-                    let failed = report_deadlock(&shared);
-                    if failed > 0 {
-                        // Those joins are failed; a join made after them
-                        // is a new episode.
-                        deadlock_suspect = None;
-                    } else {
-                        deadlock_reported = true;
-                    }
+                    report_deadlock(&shared);
+                    deadlock_reported = true;
                 }
             }
             _ if candidate => {
-                deadlock_suspect = Some((beats, now));
+                deadlock_suspect = Some((beats, blocked_since, now));
                 deadlock_reported = false;
             }
             _ => {
@@ -226,8 +225,9 @@ pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Reports a deadlock and acts on it; returns how many joins it failed.
-fn report_deadlock(shared: &Shared) -> usize {
+/// Reports a deadlock and acts on it (fails the blocked joins, aborts, or
+/// only reports).
+fn report_deadlock(shared: &Shared) {
     let mut report = String::new();
     for w in shared.workers.iter() {
         for fiber in w.sleeping.lock().values() {
@@ -260,11 +260,10 @@ fn report_deadlock(shared: &Shared) -> usize {
     eprintln!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
     match shared.config.on_deadlock {
         OnDeadlock::Abort => std::process::abort(),
-        OnDeadlock::Report | OnDeadlock::Ignore => return 0,
+        OnDeadlock::Report | OnDeadlock::Ignore => return,
         OnDeadlock::FailJoin => {}
     }
     let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
-    let mut failed = 0;
     for task in joiners {
         // A task that completed meanwhile (its joiner not yet off the list)
         // keeps its own outcome: checked under the error's lock, which its
@@ -278,9 +277,7 @@ fn report_deadlock(shared: &Shared) -> usize {
             *error = Some(Box::new(JoinError::Deadlock { report: report.clone() }));
         }
         task.done.release(1);
-        failed += 1;
     }
-    failed
 }
 
 #[cfg(test)]

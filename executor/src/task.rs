@@ -152,8 +152,8 @@ impl fmt::Display for JoinError {
             JoinError::Cancelled { fiber, name } => {
                 write!(
                     f,
-                    "{} was cancelled before it finished (by JoinHandle::cancel, or by the executor's \
-                     shutdown)",
+                    "{} was cancelled before it finished (by a cancel on its handle, or by the \
+                     executor's shutdown)",
                     describe(fiber.as_ref(), name)
                 )
             }

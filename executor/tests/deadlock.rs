@@ -267,3 +267,82 @@ fn a_scope_waiting_for_a_fiber_that_waits_forever_is_reported() {
         assert_eq!(exec.stats().deadlocks, 1, "reported once for the one episode");
     });
 }
+
+/// A thread that blocks in a join after a scope's deadlock was reported
+/// starts a new episode: its join is failed too (it was left waiting when
+/// the scope's report closed the episode).
+#[test]
+fn a_join_made_after_a_scope_was_reported_is_failed() {
+    watchdog("a_join_made_after_a_scope_was_reported_is_failed", 30, |stage| {
+        let exec = Executor::builder().workers(1).deadlock_grace(Duration::from_millis(50)).build();
+        let (never, never_g) = (Semaphore::new(0), Arc::new(Semaphore::new(0)));
+        let g = {
+            let never_g = Arc::clone(&never_g);
+            exec.spawn_with(SpawnOptions::new().name("g"), move || never_g.acquire())
+        };
+        wait_for(&stage, "g to wait", || never_g.waiters() == 1);
+        std::thread::scope(|threads| {
+            threads.spawn(|| {
+                exec.scope(|s| {
+                    s.spawn_with(SpawnOptions::new().name("forever"), || never.acquire());
+                });
+            });
+            wait_for(&stage, "the scope's deadlock report", || exec.stats().deadlocks == 1);
+            stage.set("joining g after the scope was reported");
+            let err = g.join().expect_err("g can never finish");
+            assert!(err.is_deadlock(), "{err}");
+            assert_eq!(exec.stats().deadlocks, 2, "the join's episode was reported on its own");
+            never.release(1);
+        });
+    });
+}
+
+/// A thread blocked in a join and one waiting in a scope, stuck together:
+/// one report, which fails the join and names the scope; the scope keeps
+/// waiting, and is not reported again.
+#[test]
+fn a_join_and_a_scope_stuck_together_are_reported_once() {
+    watchdog("a_join_and_a_scope_stuck_together_are_reported_once", 30, |stage| {
+        let exec = Executor::builder().workers(1).deadlock_grace(Duration::from_millis(50)).build();
+        let never = Arc::new(Semaphore::new(0));
+        let h = {
+            let never = Arc::clone(&never);
+            exec.spawn_with(SpawnOptions::new().name("joined"), move || never.acquire())
+        };
+        wait_for(&stage, "the joined fiber to wait", || never.waiters() == 1);
+        let (scope_tid, body_done) = (std::sync::atomic::AtomicU32::new(0), common::Flag::new());
+        std::thread::scope(|threads| {
+            threads.spawn(|| {
+                scope_tid.store(common::current_tid(), std::sync::atomic::Ordering::SeqCst);
+                exec.scope(|s| {
+                    s.spawn_with(SpawnOptions::new().name("scoped"), || never.acquire());
+                    body_done.set();
+                });
+            });
+            // The join must find the scope's thread blocked already: one
+            // that blocked after the report would be an episode of its own.
+            wait_for(&stage, "the scoped fiber to wait and the scope's thread to block", || {
+                never.waiters() == 2
+                    && body_done.is_set()
+                    && common::thread_blocked(scope_tid.load(std::sync::atomic::Ordering::SeqCst))
+            });
+            stage.set("joining from this thread");
+            let err = h.join().expect_err("the joined fiber can never finish");
+            let report = err.to_string();
+            assert!(err.is_deadlock(), "{report}");
+            assert!(report.contains("'scoped'") && report.contains("'joined'"), "{report}");
+            assert!(
+                report.contains("wait in Executor::scope"),
+                "the report names the scope's wait:\n{report}"
+            );
+            // Not synchronisation: a window for a second report of the same
+            // stuck state (grace period 50 ms) to show up.
+            let window = std::time::Instant::now();
+            while window.elapsed() < Duration::from_millis(300) {
+                std::thread::yield_now();
+            }
+            assert_eq!(exec.stats().deadlocks, 1, "one stuck state, one report");
+            never.release(2);
+        });
+    });
+}

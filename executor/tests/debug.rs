@@ -23,9 +23,9 @@ fn handles_and_errors_say_what_they_are() {
         });
 
         let not_started = JoinError::Cancelled { fiber: None, name: None };
-        assert_eq!(not_started.to_string(), "a fiber that had not started was cancelled before it finished (by JoinHandle::cancel, or by the executor's shutdown)");
+        assert_eq!(not_started.to_string(), "a fiber that had not started was cancelled before it finished (by a cancel on its handle, or by the executor's shutdown)");
         let named = JoinError::Cancelled { fiber: None, name: Some("job".into()) };
-        assert_eq!(named.to_string(), "fiber 'job' (not started) was cancelled before it finished (by JoinHandle::cancel, or by the executor's shutdown)");
+        assert_eq!(named.to_string(), "fiber 'job' (not started) was cancelled before it finished (by a cancel on its handle, or by the executor's shutdown)");
         assert_eq!(format!("{named:?}"), named.to_string());
     });
 }

@@ -846,10 +846,12 @@ impl<T: Send + 'static> Fiber<T> {
     /// [`mark_dequeued`](Fiber::mark_dequeued) if the fiber is not queued
     /// after all.
     ///
-    /// Returns the home this replaced, if any. A scheduler that holds a
-    /// lock here should drop it after letting go: if it was that home's
-    /// last reference, its drop runs whatever that scheduler owns, and that
-    /// may take the same lock (as `RunQueue::try_push` does).
+    /// Returns the home this replaced, if any. A scheduler that calls this
+    /// under a lock of its own should drop the returned home only after
+    /// releasing that lock (`fiber.mark_queued(h)?;` drops it at once): if
+    /// this was the home's last reference, its drop runs whatever that
+    /// scheduler owns, and that may take the same lock (as
+    /// `RunQueue::try_push` does).
     ///
     /// # Errors
     ///

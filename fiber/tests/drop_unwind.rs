@@ -760,8 +760,8 @@ fn an_unwind_that_starts_in_an_unstarted_fibers_capture_drop_goes_on() {
     );
 }
 
-/// `mark_queued` and `set_home` drop a home they replace only once the
-/// fiber is out of `Locked`: a scheduler dropped there (its last reference
+/// `mark_queued` and `set_home` hand back a home they replace only once the
+/// fiber is out of `Locked` (dropped at once here): a scheduler dropped there (its last reference
 /// was the fiber's) sees the fiber `Queued` or `Ready`, never locked.
 #[test]
 fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {

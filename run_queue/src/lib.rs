@@ -20,13 +20,12 @@
 //! worker.
 //!
 //! Pinning also decides the balance: each fiber stays with whichever
-//! worker ran it first. Fibers pushed before the workers start can all be
-//! taken by the first worker to wake, which then runs every one of them
-//! while the others find nothing they may run. Start the workers (and let
-//! them park in [`pop_timeout`](RunQueue::pop_timeout)) before pushing
-//! pinned fibers, or give each worker its own queue, or use migratable
-//! fibers. [`RunQueueStats`]'s `wrong_thread` counts the pops that passed
-//! a fiber over for its own thread.
+//! worker ran it first, and a worker that is free while another is busy
+//! takes every new fiber. Fibers pushed before the workers start can all
+//! go to the first worker to wake, which then runs every one of them while
+//! the others find nothing they may run. Starting the workers before
+//! pushing helps; for an even spread, give each worker its own queue, or
+//! use migratable fibers.
 //!
 //! ```
 //! use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
