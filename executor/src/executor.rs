@@ -607,19 +607,27 @@ impl<T: Send> JoinHandle<T> {
     /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once. One
     /// blocked in `join` on another fiber waits until that fiber completes,
     /// then unwinds in `join` (the joined fiber's value is dropped). One
-    /// asleep on a `spindle-sync` primitive (not a cancellation point) first
-    /// gets what it waits for, then unwinds at its next executor suspension
-    /// point: a fiber waiting on a channel nobody pushes to is not stopped
-    /// by a cancel (a semaphore or channel of your own that the canceller
-    /// signals is the way to reach it).
+    /// in an interruptible wait on a `spindle-sync` primitive
+    /// (`Semaphore::acquire_interruptible`, `Channel::pop_interruptible`) is
+    /// interrupted: the wait returns `Err(Interrupted)` at once (or, if the
+    /// fiber is not waiting yet, its next interruptible wait does), and the
+    /// fiber unwinds at its next executor suspension point. One asleep in a
+    /// plain wait (`acquire`, `pop`: not a cancellation point) first gets
+    /// what it waits for: a fiber in a plain `pop` on a channel nobody
+    /// pushes to is not stopped by a cancel.
     ///
     /// A request, not a guarantee: a fiber that has already finished, or
     /// finishes without reaching a suspension point, keeps its result, and
     /// a fiber that catches the unwind (`catch_unwind`) may go on and
     /// return a value.
     pub fn cancel(&self) {
-        self.task.cancelled.store(true, Ordering::Release);
+        // SeqCst: the worker that puts the fiber to sleep inserts it into
+        // its sleeping map, then loads the flag (see `interrupt_sleeping`).
+        self.task.cancelled.store(true, Ordering::SeqCst);
         self.wake();
+        if let Some(id) = FiberId::from_u64(self.task.started_fiber.load(Ordering::Acquire)) {
+            self.shared.interrupt_sleeping(id, self.task.as_raw());
+        }
     }
 
     /// Ends a [`sleep`](crate::sleep), [`sleep_until`](crate::sleep_until)

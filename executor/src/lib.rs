@@ -46,7 +46,10 @@
 //! [`JoinError::Cancelled`]. A `catch_unwind` in the fiber catches it too;
 //! code that catches panics should let it go on
 //! (`std::panic::resume_unwind`). Waits on `spindle-sync` primitives are not
-//! cancellation points.
+//! cancellation points, but a cancel interrupts their interruptible forms
+//! (`Semaphore::acquire_interruptible`, `Channel::pop_interruptible`): the
+//! wait returns `Err(Interrupted)`, and the fiber unwinds at its next
+//! cancellation point. A fiber in a plain `acquire` or `pop` keeps waiting.
 //!
 //! # Deadlock detection
 //!

@@ -397,6 +397,28 @@ impl Shared {
         self.stats.peak_workers.fetch_max(n, Ordering::Relaxed);
     }
 
+    /// Interrupts the fiber with this id if it sleeps on one of the
+    /// workers (`JoinHandle::cancel`): its interruptible wait on a
+    /// `spindle-sync` primitive, if it is in one, returns. The worker side
+    /// of the race (a fiber that goes to sleep as this looks) is in
+    /// `Worker::run_one`: whichever of the two comes second interrupts it.
+    pub(crate) fn interrupt_sleeping(&self, id: FiberId, task: usize) {
+        for w in self.workers.iter() {
+            // Marked under the lock, while the fiber is known to sleep in
+            // this task (fibers are reused: a mark made later could reach
+            // the next task's wait), woken after it: the wake locks the
+            // inbox, which comes before `sleeping` in the lock order.
+            let waiter = w.sleeping.lock().get(&id).filter(|f| f.sched_data() == task).map(|f| {
+                f.set_interrupt();
+                f.waiter()
+            });
+            if let Some(w) = waiter {
+                w.wake();
+                return;
+            }
+        }
+    }
+
     /// Wakes every thread (shutdown).
     pub(crate) fn wake_all(&self) {
         for w in self.workers.iter() {

@@ -386,6 +386,11 @@ impl TaskRef {
         unsafe { &*(self.0.as_ptr() as *const TaskPrefix<T>) }
     }
 
+    /// The address `into_raw` gives for this task (without a reference).
+    pub(crate) fn as_raw(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
     /// The raw pointer, keeping the reference (for a fiber's sched word).
     pub(crate) fn into_raw(self) -> usize {
         let p = self.0.as_ptr() as usize;

@@ -267,7 +267,14 @@ impl Worker {
         match outcome {
             Ok(RunOutcome::Yielded(_)) => self.resumed[class_of(fiber.priority())].push_back(fiber),
             Ok(RunOutcome::Slept) => {
-                self.me().sleeping.lock().insert(fiber.id(), fiber);
+                let id = fiber.id();
+                self.me().sleeping.lock().insert(id, fiber);
+                // A cancel that came while the fiber ran missed it in the
+                // map: interrupt it here (`Shared::interrupt_sleeping`
+                // covers the other order; SeqCst on both flags' sides).
+                if raw != 0 && task(raw).cancelled.load(Ordering::SeqCst) {
+                    self.shared().interrupt_sleeping(id, raw);
+                }
             }
             Ok(RunOutcome::Returned(())) => self.finish(fiber, None),
             Ok(RunOutcome::Panicked(p)) => {

@@ -384,3 +384,55 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         common::describe(&out)
     );
 }
+
+/// A cancel reaches a fiber in an interruptible wait on a `spindle-sync`
+/// primitive: the wait returns `Interrupted`, the fiber unwinds at its next
+/// cancellation point, and the join reports the cancel. That holds for a
+/// fiber asleep in the wait when the cancel comes and for one that reaches
+/// the wait only after it (still running then); the token released later
+/// is left in the semaphore.
+#[test]
+fn cancel_interrupts_an_interruptible_wait() {
+    use spindle_sync::Interrupted;
+    watchdog("cancel_interrupts_an_interruptible_wait", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        for asleep_first in [true, false] {
+            let sem = Arc::new(Semaphore::new(0));
+            let (dropped, started, go) = (Flag::new(), Flag::new(), Flag::new());
+            let saw = Arc::new(AtomicU64::new(0));
+            let h = {
+                let (guard, started, go) = (dropped.on_drop(), started.clone(), go.clone());
+                let (sem, saw) = (Arc::clone(&sem), Arc::clone(&saw));
+                exec.spawn(move || {
+                    let _local = guard;
+                    started.set();
+                    // Without a suspension point: still running at the cancel.
+                    while !go.is_set() {
+                        std::hint::spin_loop();
+                    }
+                    if sem.acquire_interruptible() == Err(Interrupted) {
+                        saw.store(1, Ordering::SeqCst);
+                    }
+                    yield_now(); // a cancellation point
+                    unreachable!("a cancelled fiber unwinds at yield_now");
+                })
+            };
+            wait_for(&stage, "the fiber to start", || started.is_set());
+            if asleep_first {
+                go.set();
+                wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+            }
+            stage.set(format!("cancelling (asleep first: {asleep_first})"));
+            h.cancel();
+            go.set();
+            match h.join() {
+                Err(JoinError::Cancelled { .. }) => {}
+                other => panic!("expected a cancel, got {:?}", other.err()),
+            }
+            assert_eq!(saw.load(Ordering::SeqCst), 1, "the wait returned Interrupted");
+            assert!(dropped.is_set(), "the fiber's locals were dropped");
+            sem.release(1);
+            assert_eq!((sem.available(), sem.waiters()), (1, 0), "nothing waits for the token");
+        }
+    });
+}

@@ -317,6 +317,42 @@ impl Waiter {
         self.header().priority.store(p.0, Ordering::Relaxed);
     }
 
+    /// Interrupts the fiber's current or next interruptible wait: marks an
+    /// interrupt pending, then wakes the fiber as [`wake`](Waiter::wake)
+    /// does (a spurious wakeup for a wait that is not interruptible, which
+    /// sleeps again). The fiber takes the mark with [`take_interrupt`];
+    /// `spindle-sync`'s interruptible waits (`acquire_interruptible`,
+    /// `pop_interruptible`) do, and return an error instead of waiting on.
+    /// A mark nobody takes stays pending until the fiber is given a new
+    /// function.
+    ///
+    /// ```
+    /// use spindle_fiber::{take_interrupt, yield_now, Fiber, FiberAttr, Priority, RunOutcome, Waiter};
+    ///
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || {
+    ///     let me = Waiter::current().unwrap();
+    ///     me.interrupt(); // running: only the mark stays
+    ///     yield_now();
+    ///     take_interrupt()
+    /// }).unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(_))));
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(true))));
+    /// ```
+    pub fn interrupt(self) {
+        mark_interrupt(self.header());
+        self.wake();
+    }
+
+    /// A waiter made from a reference the caller already owns.
+    ///
+    /// # Safety
+    /// `header` is a live fiber's header and the caller hands over one
+    /// counted reference to it.
+    pub(crate) unsafe fn from_owned(header: NonNull<Header>) -> Waiter {
+        Waiter { header }
+    }
+
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
     /// another thread, allocates nothing itself (the scheduler it hands the
     /// fiber to may: `spindle-run-queue` grows a priority level's buffer on
@@ -406,6 +442,37 @@ pub fn sleep_on(reason: &'static WaitReason) {
     hr.sleep_request.store(true, Ordering::Relaxed);
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(crate::fiber::SLEEP_SIGNAL) };
+}
+
+/// Interrupter step 1 (DESIGN.md, "Interruptible waits"): marks an
+/// interrupt pending, then a SeqCst fence, before the caller's wake looks
+/// at the fiber's state.
+///
+/// The wake may find the fiber queued or ready (another wake came first)
+/// and do nothing; the fiber then runs again and must see the mark. That
+/// is a store-buffering pattern (here: mark, then load the state; there:
+/// the runner's store of `Running`, then the fiber's load of the mark), so
+/// both sides fence: either this load sees `Running` or a later state (and
+/// the wake is deferred to, or reaches, a sleep that comes after it), or
+/// the fiber's check after its fence sees the mark.
+pub(crate) fn mark_interrupt(h: &Header) {
+    h.interrupt.store(true, Ordering::Release);
+    std::sync::atomic::fence(Ordering::SeqCst);
+}
+
+/// Takes the calling fiber's pending interrupt ([`Waiter::interrupt`],
+/// [`Fiber::interrupt`](crate::Fiber::interrupt)): whether there was one.
+/// `false` on an ordinary thread.
+pub fn take_interrupt() -> bool {
+    let h = current_header();
+    // SAFETY: see `current`.
+    let Some(h) = (unsafe { h.as_ref() }) else {
+        return false;
+    };
+    // Pairs with the fence in `mark_interrupt` (see there).
+    std::sync::atomic::fence(Ordering::SeqCst);
+    // A plain load first: no locked instruction when none is pending.
+    h.interrupt.load(Ordering::Acquire) && h.interrupt.swap(false, Ordering::Acquire)
 }
 
 /// The scheduler word of the fiber running on this thread (see

@@ -433,6 +433,7 @@ impl<T: Send + 'static> Fiber<T> {
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
+            interrupt: AtomicBool::new(false),
             unwinding_for_drop: AtomicBool::new(false),
             stackless: AtomicBool::new(false),
         };
@@ -597,6 +598,7 @@ impl<T: Send + 'static> Fiber<T> {
         // The new function stores its yielder when it starts.
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
+        h.interrupt.store(false, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
         h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
@@ -1062,6 +1064,36 @@ impl<T> Fiber<T> {
     /// [`Sleeping`](FiberState::Sleeping).
     pub fn wait_site(&self) -> Option<(&'static str, &'static Location<'static>)> {
         self.header().wait_site()
+    }
+
+    /// Interrupts the fiber's current or next interruptible wait, as
+    /// [`Waiter::interrupt`](crate::Waiter::interrupt) does: marks an
+    /// interrupt pending ([`set_interrupt`](Fiber::set_interrupt)) and wakes
+    /// the fiber (the wake goes to its scheduler, as any wake does).
+    pub fn interrupt(&self) {
+        self.set_interrupt();
+        self.waiter().wake();
+    }
+
+    /// Marks an interrupt pending without waking the fiber: its next
+    /// interruptible wait returns at once, or the one it sleeps in now
+    /// returns once something wakes it (a [`waiter`](Fiber::waiter)). For
+    /// schedulers that must mark the fiber while they know which function
+    /// it runs (under a lock of their own) and wake it afterwards.
+    pub fn set_interrupt(&self) {
+        crate::current::mark_interrupt(self.header());
+    }
+
+    /// A [`Waiter`](crate::Waiter) for this fiber. Waking it is what a
+    /// primitive's waker does; a fiber woken while it sleeps on something
+    /// that did not hand it anything sees a spurious wakeup (primitives
+    /// check again and sleep on, as they do for any stale waiter).
+    pub fn waiter(&self) -> crate::Waiter {
+        // A counted reference handed to the waiter: the header is the
+        // first field of the `repr(C)` allocation.
+        let me = ManuallyDrop::new(self.clone());
+        // SAFETY: `me` owns one reference, which the waiter takes over.
+        unsafe { crate::current::Waiter::from_owned(me.inner.cast()) }
     }
 
     /// Whether two handles refer to the same fiber.

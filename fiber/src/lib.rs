@@ -81,7 +81,7 @@ mod tls;
 
 pub use current::{
     current, current_id, current_sched_data, in_fiber, may_sleep, set_current_priority, sleep, sleep_on,
-    yield_now, yield_value, CurrentFiber, Waiter,
+    take_interrupt, yield_now, yield_value, CurrentFiber, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};

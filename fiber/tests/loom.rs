@@ -648,3 +648,280 @@ fn run_mut_unique_claim() {
 fn run_mut_unique_claim_without_fence_is_caught() {
     model(|| unique_claim_model(false));
 }
+
+/// Interruptible waits (DESIGN.md, "Interruptible waits"), mirrored: the
+/// real state word, a fiber that waits once on a semaphore through
+/// `spindle-sync`'s interruptible `wait` (the interrupt check before it
+/// links its node, and after every resume without a value, under the
+/// semaphore's lock; a resume with neither sleeps again), an interrupter
+/// (`Waiter::interrupt`: the mark, a SeqCst fence, a wake), and a
+/// scheduler that runs the fiber whenever a wake queues it.
+///
+/// With `releaser`, a thread releases one token, racing the interrupt:
+/// the token ends up either taken by the wait or left in the semaphore.
+/// With `stale_waker`, another thread wakes the fiber for nothing (a
+/// `Waiter` it kept from before), and no token ever comes: the wait must
+/// end interrupted, or the fiber sleeps forever and loom reports the
+/// scheduler deadlocked. That is where the interrupter's wake can find
+/// the fiber queued by the stale wake and do nothing, so the mark alone
+/// must reach the fiber (the store-buffering pattern the fences close).
+mod interrupt {
+    use super::*;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Pc {
+        Start,
+        Resumed,
+        Done,
+    }
+
+    struct Stack {
+        pc: Pc,
+        /// `Some(true)`: the wait returned a token; `Some(false)`: interrupted.
+        outcome: Option<bool>,
+    }
+
+    struct World {
+        state: StateCell,
+        stack: UnsafeCell<Stack>,
+        on_cpu: AtomicUsize,
+        /// The header's `interrupt` mark.
+        mark: AtomicBool,
+        /// Tokens, and whether the fiber's node is linked.
+        sem: Mutex<(usize, bool)>,
+        /// The node's `done`.
+        done: AtomicBool,
+        /// Queued, finished.
+        queue: Mutex<(bool, bool)>,
+        not_empty: Condvar,
+        fences: bool,
+    }
+
+    impl World {
+        fn take_mark(&self) -> bool {
+            if self.fences {
+                loom::sync::atomic::fence(Ordering::SeqCst);
+            }
+            // As `take_interrupt`: a load, and the swap only if set.
+            self.mark.load(Ordering::Acquire) && self.mark.swap(false, Ordering::Acquire)
+        }
+
+        /// The fiber's function: `acquire_interruptible` on an empty
+        /// semaphore (or one the releaser filled).
+        fn resume(&self, s: &mut Stack) -> Msg {
+            loop {
+                match s.pc {
+                    Pc::Start => {
+                        let mut sem = self.sem.lock().unwrap();
+                        if sem.0 > 0 {
+                            sem.0 -= 1;
+                            s.outcome = Some(true);
+                            s.pc = Pc::Done;
+                        } else if self.take_mark() {
+                            s.outcome = Some(false);
+                            s.pc = Pc::Done;
+                        } else {
+                            sem.1 = true;
+                            drop(sem);
+                            s.pc = Pc::Resumed;
+                            return Msg::Sleep;
+                        }
+                    }
+                    Pc::Resumed => {
+                        if self.done.load(Ordering::Acquire) {
+                            s.outcome = Some(true);
+                            s.pc = Pc::Done;
+                            continue;
+                        }
+                        let mut sem = self.sem.lock().unwrap();
+                        if self.done.load(Ordering::Acquire) {
+                            s.outcome = Some(true);
+                            s.pc = Pc::Done;
+                        } else if self.take_mark() {
+                            assert!(sem.1, "an undone node is linked");
+                            sem.1 = false;
+                            s.outcome = Some(false);
+                            s.pc = Pc::Done;
+                        } else {
+                            // Spurious: sleep again, still linked.
+                            drop(sem);
+                            return Msg::Sleep;
+                        }
+                    }
+                    Pc::Done => return Msg::Return,
+                }
+            }
+        }
+
+        fn run(&self) {
+            self.state
+                .transition(FiberState::Ready, FiberState::Running)
+                .expect("run: the fiber is not Ready");
+            assert_eq!(
+                self.on_cpu.fetch_add(1, Ordering::SeqCst),
+                0,
+                "the fiber runs on two threads"
+            );
+            let msg = self.stack.with_mut(|s| self.resume(unsafe { &mut *s }));
+            self.on_cpu.fetch_sub(1, Ordering::SeqCst);
+            match msg {
+                Msg::Sleep => match self.state.transition_to_sleeping() {
+                    SleepTransition::Asleep => {}
+                    SleepTransition::AlreadyWoken => self.finish_wake_owned(),
+                },
+                Msg::Return => {
+                    // The real runner stores `Finished`. Here a wake can race
+                    // this last run, and loom 0.7 can order a plain store
+                    // before a racing compare-and-swap that read the state
+                    // before it (leaving `RunningWoken` after `Finished`,
+                    // which C11's read-modify-write atomicity forbids), so
+                    // the model publishes it with a compare-and-swap.
+                    self.state
+                        .transition(FiberState::Running, FiberState::Finished)
+                        .or_else(|_| {
+                            self.state
+                                .transition(FiberState::RunningWoken, FiberState::Finished)
+                        })
+                        .expect("the runner owns a running fiber's state");
+                    self.queue.lock().unwrap().1 = true;
+                    self.not_empty.notify_all();
+                }
+                Msg::Yield => unreachable!(),
+            }
+        }
+
+        fn finish_wake_owned(&self) {
+            assert_eq!(self.state.load(), FiberState::Locked);
+            self.state.store(FiberState::Queued);
+            let mut q = self.queue.lock().unwrap();
+            assert!(!q.0, "the fiber is queued twice");
+            q.0 = true;
+            drop(q);
+            self.not_empty.notify_one();
+        }
+
+        /// `Waiter::wake`: a wake that finds the fiber neither asleep nor
+        /// running is void.
+        fn wake(&self) {
+            match self.state.transition_to_woken() {
+                WakeTransition::Owned => self.finish_wake_owned(),
+                WakeTransition::Deferred | WakeTransition::Void => {}
+            }
+        }
+
+        fn release(&self) {
+            let mut sem = self.sem.lock().unwrap();
+            if sem.1 {
+                sem.1 = false;
+                self.done.store(true, Ordering::Release);
+                drop(sem);
+                self.wake();
+            } else {
+                sem.0 += 1;
+            }
+        }
+
+        fn interrupt(&self) {
+            self.mark.store(true, Ordering::Release);
+            if self.fences {
+                loom::sync::atomic::fence(Ordering::SeqCst);
+            }
+            self.wake();
+        }
+
+        fn schedule_loop(&self) {
+            loop {
+                let mut q = self.queue.lock().unwrap();
+                let popped = loop {
+                    if q.0 {
+                        q.0 = false;
+                        break true;
+                    }
+                    if q.1 {
+                        break false;
+                    }
+                    q = self.not_empty.wait(q).unwrap();
+                };
+                drop(q);
+                if !popped {
+                    return;
+                }
+                self.state
+                    .transition(FiberState::Queued, FiberState::Ready)
+                    .expect("mark_dequeued: the fiber is not Queued");
+                self.run();
+            }
+        }
+    }
+
+    pub(super) fn run_model(releaser: bool, stale_waker: bool, fences: bool) {
+        let w = Arc::new(World {
+            state: StateCell::new(FiberState::Ready),
+            stack: UnsafeCell::new(Stack {
+                pc: Pc::Start,
+                outcome: None,
+            }),
+            on_cpu: AtomicUsize::new(0),
+            mark: AtomicBool::new(false),
+            sem: Mutex::new((0, false)),
+            done: AtomicBool::new(false),
+            queue: Mutex::new((false, false)),
+            not_empty: Condvar::new(),
+            fences,
+        });
+        let mut threads = Vec::new();
+        {
+            let w = w.clone();
+            threads.push(thread::spawn(move || w.run()));
+        }
+        {
+            let w = w.clone();
+            threads.push(thread::spawn(move || w.interrupt()));
+        }
+        if releaser {
+            let w = w.clone();
+            threads.push(thread::spawn(move || w.release()));
+        }
+        if stale_waker {
+            let w = w.clone();
+            threads.push(thread::spawn(move || w.wake()));
+        }
+        w.schedule_loop();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(w.state.load(), FiberState::Finished);
+        let outcome = w.stack.with(|s| unsafe { (*s).outcome });
+        let (tokens, linked) = *w.sem.lock().unwrap();
+        assert!(!linked, "the node was left linked");
+        match outcome {
+            Some(true) => assert_eq!(tokens, 0, "the token was taken by the wait"),
+            Some(false) => assert_eq!(tokens, usize::from(releaser), "an interrupted wait took nothing"),
+            None => panic!("the wait never ended"),
+        }
+        assert!(!w.queue.lock().unwrap().0);
+    }
+}
+
+/// An interrupt racing a release: the token is taken or left, never lost,
+/// and the wait always ends.
+#[test]
+fn an_interrupt_racing_a_release_loses_no_token() {
+    model(|| interrupt::run_model(true, false, true));
+}
+
+/// An interrupt racing a stale wake, with no token ever: the wait ends
+/// interrupted in every execution.
+#[test]
+fn an_interrupt_racing_a_stale_wake_is_never_lost() {
+    model(|| interrupt::run_model(false, true, true));
+}
+
+/// The same without the two SeqCst fences must fail: the interrupter's
+/// wake finds the fiber queued by the stale wake, and the fiber's check
+/// misses the mark (store buffering), so it sleeps forever.
+#[test]
+#[should_panic(expected = "deadlock")]
+fn an_interrupt_without_the_fences_can_be_lost() {
+    model(|| interrupt::run_model(false, true, false));
+}

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{wait, WaitList, Wakeup};
+use crate::wait::{wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a channel");
 
@@ -285,15 +285,37 @@ impl RawChannel {
     #[track_caller]
     #[inline]
     pub fn pop(&self) -> NonNull<MsgHeader> {
+        match self.pop_inner::<false>() {
+            Ok(m) => m,
+            Err(Interrupted) => unreachable!("a plain pop is not interruptible"),
+        }
+    }
+
+    /// Like [`pop`](RawChannel::pop), but a fiber's wait ends early if the
+    /// fiber is interrupted; see [`Channel::pop_interruptible`].
+    ///
+    /// # Errors
+    ///
+    /// [`Interrupted`] if the fiber was interrupted before a message came.
+    #[track_caller]
+    #[inline]
+    pub fn pop_interruptible(&self) -> Result<NonNull<MsgHeader>, Interrupted> {
+        self.pop_inner::<true>()
+    }
+
+    #[track_caller]
+    #[inline]
+    fn pop_inner<const INTERRUPTIBLE: bool>(&self) -> Result<NonNull<MsgHeader>, Interrupted> {
         let mut synced = self.synced.lock();
         if let Some(m) = synced.pop_message() {
-            return m;
+            return Ok(m);
         }
-        let handed = wait(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON);
+        let handed =
+            wait::<_, INTERRUPTIBLE>(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON)?;
         let handed = NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message");
         // SAFETY: the pusher handed this header to us; it is ours now.
         unsafe { handed.as_ref().next.store(NOT_QUEUED, Ordering::Relaxed) };
-        handed
+        Ok(handed)
     }
 
     /// Takes the oldest message if there is one.
@@ -505,6 +527,50 @@ impl<T> Channel<T> {
     pub fn pop(&self) -> Msg<T> {
         // SAFETY: only Msg<T> headers are pushed on this channel.
         unsafe { Msg::from_header(self.raw.pop()) }
+    }
+
+    /// Like [`pop`](Channel::pop), but a fiber's wait ends early if the
+    /// fiber is interrupted ([`Waiter::interrupt`], [`Fiber::interrupt`];
+    /// an interrupt made before the wait counts too, once): then no message
+    /// is taken. A message that is queued is taken even with an interrupt
+    /// pending. A thread waits as in `pop`.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    /// use spindle_sync::{Channel, Interrupted, Msg};
+    /// use std::sync::Arc;
+    ///
+    /// let chan = Arc::new(Channel::<u32>::new());
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// let rx = chan.clone();
+    /// fiber
+    ///     .set_function(Priority::NORMAL, move || {
+    ///         let first = rx.pop_interruptible().map(Msg::into_inner);
+    ///         let second = rx.pop_interruptible().map(Msg::into_inner);
+    ///         (first, second)
+    ///     })
+    ///     .unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    /// fiber.interrupt(); // the first wait ends without a message
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept))); // the second waits
+    /// chan.push(Msg::new(7));
+    /// match fiber.run() {
+    ///     Ok(RunOutcome::Returned(got)) => assert_eq!(got, (Err(Interrupted), Ok(7))),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Interrupted`] if the fiber was interrupted before a message came.
+    ///
+    /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
+    /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
+    #[track_caller]
+    #[inline]
+    pub fn pop_interruptible(&self) -> Result<Msg<T>, Interrupted> {
+        // SAFETY: as in `pop`.
+        self.raw.pop_interruptible().map(|h| unsafe { Msg::from_header(h) })
     }
 
     /// Takes the oldest message if there is one.

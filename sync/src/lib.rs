@@ -46,15 +46,25 @@
 //! See DESIGN.md ("sleep/wake protocol") for the numbered steps of both
 //! sides and why no wakeup is lost.
 //!
+//! # Interruptible waits
+//!
+//! [`Semaphore::acquire_interruptible`] and [`Channel::pop_interruptible`]
+//! end early, with [`Interrupted`] and nothing taken, when the waiting
+//! fiber is interrupted ([`spindle_fiber::Fiber::interrupt`],
+//! [`spindle_fiber::Waiter::interrupt`]). That is how a wait is given up:
+//! `spindle-executor`'s `JoinHandle::cancel` interrupts them, and a
+//! scheduler or a timer of your own can too. The plain `acquire` and `pop`
+//! are not interrupted (an interrupt stays pending for the next
+//! interruptible wait). Threads are not interrupted.
+//!
 //! # What is not here
 //!
-//! Channels have no close or disconnect, and neither primitive has a timed
-//! or cancellable wait: a receiver waits until a message arrives, so a
-//! producer that stops should say so with a message of its own (an enum
+//! Channels have no close or disconnect, and no wait has a timeout of its
+//! own: a receiver waits until a message arrives or it is interrupted, so
+//! a producer that stops should say so with a message of its own (an enum
 //! with a "done" variant, or a count agreed in advance), and a consumer
-//! that must give up after a while can poll with `try_pop`/`try_acquire`.
-//! `spindle-executor`'s cancellation does not interrupt these waits either;
-//! it takes effect at the executor's own yield and sleep points.
+//! that must give up after a while is interrupted by whoever keeps the
+//! time, or polls with `try_pop`/`try_acquire`.
 
 //! # Threads
 //!
@@ -108,3 +118,4 @@ mod wait;
 
 pub use channel::{Channel, Msg, MsgHeader, RawChannel};
 pub use semaphore::Semaphore;
+pub use wait::Interrupted;

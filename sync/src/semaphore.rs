@@ -6,7 +6,7 @@ use std::ptr;
 use parking_lot::Mutex;
 use spindle_fiber::{Priority, WaitReason};
 
-use crate::wait::{wait, WaitList};
+use crate::wait::{wait, Interrupted, WaitList};
 
 static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
@@ -75,7 +75,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire(&self) {
-        self.acquire_inner(None, &WAIT_REASON)
+        let _ = self.acquire_inner::<false>(None, &WAIT_REASON);
     }
 
     /// Like [`acquire`](Semaphore::acquire), naming what a fiber that has
@@ -95,7 +95,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_for(&self, reason: &'static WaitReason) {
-        self.acquire_inner(None, reason)
+        let _ = self.acquire_inner::<false>(None, reason);
     }
 
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
@@ -104,20 +104,57 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {
-        self.acquire_inner(Some(priority), &WAIT_REASON)
+        let _ = self.acquire_inner::<false>(Some(priority), &WAIT_REASON);
+    }
+
+    /// Like [`acquire`](Semaphore::acquire), but a fiber's wait ends early
+    /// if the fiber is interrupted ([`Waiter::interrupt`],
+    /// [`Fiber::interrupt`]; an interrupt made before the wait counts too,
+    /// once): then no token is taken. A token that is available is taken
+    /// even with an interrupt pending. A thread waits as in `acquire`.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    /// use spindle_sync::{Interrupted, Semaphore};
+    /// use std::sync::Arc;
+    ///
+    /// let sem = Arc::new(Semaphore::new(0));
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// let s = sem.clone();
+    /// fiber.set_function(Priority::NORMAL, move || s.acquire_interruptible()).unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    /// fiber.interrupt(); // e.g. a timeout or a cancel
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(Err(Interrupted)))));
+    /// assert_eq!((sem.waiters(), sem.available()), (0, 0));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Interrupted`] if the fiber was interrupted before a token came.
+    ///
+    /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
+    /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
+    #[track_caller]
+    #[inline]
+    pub fn acquire_interruptible(&self) -> Result<(), Interrupted> {
+        self.acquire_inner::<true>(None, &WAIT_REASON)
     }
 
     #[track_caller]
     #[inline]
-    fn acquire_inner(&self, priority: Option<Priority>, reason: &'static WaitReason) {
+    fn acquire_inner<const INTERRUPTIBLE: bool>(
+        &self,
+        priority: Option<Priority>,
+        reason: &'static WaitReason,
+    ) -> Result<(), Interrupted> {
         let mut synced = self.synced.lock();
         if synced.tokens > 0 {
             synced.tokens -= 1;
-            return;
+            return Ok(());
         }
         // The waker hands the token over directly (it never reaches
         // `tokens`), so no one can take it in between.
-        wait(
+        wait::<_, INTERRUPTIBLE>(
             synced,
             |s| &mut s.waiters,
             // A token handed to a fiber that was dropped before it ran
@@ -133,7 +170,8 @@ impl Semaphore {
             },
             priority,
             reason,
-        );
+        )
+        .map(drop)
     }
 
     /// Takes a token if one is available now.

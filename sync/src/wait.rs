@@ -136,6 +136,28 @@ impl WaitList {
         self.len += 1;
     }
 
+    /// Unlinks `node`, which is on this list (an interrupted sleeper
+    /// leaving, under the lock).
+    ///
+    /// # Safety
+    /// `node` is linked on this list.
+    unsafe fn remove(&mut self, node: &WaitNode) {
+        let (prev, next) = (node.prev.get(), node.next.get());
+        if prev.is_null() {
+            self.head = next;
+        } else {
+            // SAFETY: linked nodes are valid.
+            unsafe { (*prev).next.set(next) };
+        }
+        if next.is_null() {
+            self.tail = prev;
+        } else {
+            // SAFETY: as above.
+            unsafe { (*next).prev.set(prev) };
+        }
+        self.len -= 1;
+    }
+
     /// Waker step 1: unlinks the head, hands it `value` and returns the
     /// wakeup to perform once the lock is released.
     #[must_use]
@@ -221,21 +243,46 @@ impl<S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> Drop for Linked<'_, S, G> 
     }
 }
 
+/// Why an interruptible wait returned without what it waited for: the
+/// fiber was interrupted ([`Waiter::interrupt`](spindle_fiber::Waiter::interrupt),
+/// [`Fiber::interrupt`](spindle_fiber::Fiber::interrupt)) before a waker
+/// came. Nothing was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the wait was interrupted (Waiter::interrupt or Fiber::interrupt) before it got what it waited \
+             for; nothing was taken: stop, or wait again",
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 /// Sleeper steps 2 to 5: links a node for the current fiber or thread into
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
 /// a waker hands it a value, and returns that value. If the sleeper unwinds
 /// after the value was handed over (its fiber dropped before it ran again),
 /// `give_back` returns the value to the locked state, and may hand it to
 /// another waiter (woken once the lock is released).
+///
+/// `INTERRUPTIBLE`: a fiber with an interrupt pending (taken before it
+/// links its node, or when it wakes without a value) unlinks its node and
+/// returns `Err(Interrupted)` instead; a thread waits as before.
 #[track_caller]
 #[inline]
-pub(crate) fn wait<S>(
+pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
     mut guard: MutexGuard<'_, S>,
-    list: impl FnOnce(&mut S) -> &mut WaitList,
+    list: impl Fn(&mut S) -> &mut WaitList,
     give_back: impl FnOnce(&mut S, *mut ()) -> Option<Wakeup>,
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
-) -> *mut () {
+) -> Result<*mut (), Interrupted> {
+    if INTERRUPTIBLE && spindle_fiber::take_interrupt() {
+        return Err(Interrupted);
+    }
     let node = pin!(WaitNode::for_current(wake_priority));
     let is_fiber = matches!(
         // SAFETY: the node is not linked yet; only we can see it.
@@ -264,9 +311,19 @@ pub(crate) fn wait<S>(
             if node.done.load(Ordering::Acquire) {
                 break;
             }
-            let _locked = mutex.lock();
+            let mut locked = mutex.lock();
             if node.done.load(Ordering::Acquire) {
                 break;
+            }
+            // Still linked, and no waker can reach the node while we hold
+            // the lock: an interrupt takes it off the list (the node's
+            // waiter is dropped with the node).
+            if INTERRUPTIBLE && spindle_fiber::take_interrupt() {
+                // SAFETY: the node is linked on this list (not `done`).
+                unsafe { list(&mut locked).remove(&node) };
+                drop(locked);
+                std::mem::forget(linked);
+                return Err(Interrupted);
             }
         }
     } else {
@@ -275,5 +332,5 @@ pub(crate) fn wait<S>(
         }
     }
     std::mem::forget(linked);
-    node.value.get()
+    Ok(node.value.get())
 }
