@@ -50,6 +50,7 @@
 //! (`Semaphore::acquire_interruptible`, `Channel::pop_interruptible`): the
 //! wait returns `Err(Interrupted)`, and the fiber unwinds at its next
 //! cancellation point. A fiber in a plain `acquire` or `pop` keeps waiting.
+//! [`interrupt_after`] gives the same waits a timeout.
 //!
 //! # Deadlock detection
 //!
@@ -124,7 +125,7 @@ mod worker;
 
 pub use config::{Builder, OnDeadlock, MAX_WORKERS};
 pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
-pub use ops::{sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
+pub use ops::{interrupt_after, sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
 pub use scope::{Scope, ScopedJoinHandle};
 pub use spindle_fiber::{FiberId, Priority};
 pub use task::{JoinError, PanicPayload};

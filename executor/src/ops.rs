@@ -216,3 +216,78 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
     check_cancel();
     Some(timed_out)
 }
+
+/// Runs `f` with a deadline: if `f` is still running `d` from now, the
+/// calling fiber is interrupted ([`Fiber::interrupt`]), so that an
+/// interruptible wait it is in, or enters next, returns
+/// [`Interrupted`](spindle_sync::Interrupted) at once
+/// ([`Semaphore::acquire_interruptible`], [`Channel::pop_interruptible`]).
+/// That is how a wait is given a timeout. Plain waits (`acquire`, `pop`)
+/// are not interrupted. When `f` returns, the deadline is disarmed, and an
+/// interrupt it made that no wait took is cleared, so it cannot reach a
+/// later wait (an interrupt made by a cancel is cleared with it; the
+/// cancel itself still takes effect at the next cancellation point).
+///
+/// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
+/// use std::time::Duration;
+/// use spindle_executor::{interrupt_after, Executor};
+/// use spindle_executor::sync::{Channel, Interrupted, Msg};
+///
+/// let exec = Executor::builder().workers(1).build();
+/// let got = exec
+///     .block_on(|| {
+///         let chan = Channel::<u32>::new(); // nobody sends
+///         interrupt_after(Duration::from_millis(5), || chan.pop_interruptible().map(Msg::into_inner))
+///     })
+///     .unwrap();
+/// assert_eq!(got, Err(Interrupted));
+/// ```
+///
+/// # Panics
+///
+/// Outside a fiber of a `spindle-executor` executor (a thread cannot be
+/// interrupted: its waits would ignore the deadline).
+///
+/// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
+/// [`Semaphore::acquire_interruptible`]: spindle_sync::Semaphore::acquire_interruptible
+/// [`Channel::pop_interruptible`]: spindle_sync::Channel::pop_interruptible
+#[track_caller]
+pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
+    let Some((_, w)) = current_task() else {
+        panic!(
+            "spindle_executor::interrupt_after called outside an executor fiber: only a fiber's \
+             interruptible waits can be given a deadline (on a thread, poll with try_acquire/try_pop)"
+        );
+    };
+    let slot: crate::timer::InterruptSlot =
+        std::sync::Arc::new(parking_lot::Mutex::new(spindle_fiber::Waiter::current()));
+    let shared = &w.shared;
+    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone());
+    shared.sysmon_unparker.unpark();
+
+    /// Disarms the deadline when `f` returns or unwinds.
+    struct Disarm<'a> {
+        shared: &'a crate::shared::Shared,
+        key: crate::timer::TimerKey,
+        slot: crate::timer::InterruptSlot,
+    }
+    impl Drop for Disarm<'_> {
+        fn drop(&mut self) {
+            self.shared.timers.remove(self.key);
+            // Waits for a timer firing right now: it interrupts under
+            // this lock. Afterwards no interrupt of ours can come.
+            let ours = self.slot.lock().take();
+            if ours.is_none() {
+                // The deadline fired: clear a mark that no wait took.
+                let _ = spindle_fiber::take_interrupt();
+            }
+        }
+    }
+    let _disarm = Disarm { shared, key, slot };
+    f()
+}

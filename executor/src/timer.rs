@@ -4,14 +4,24 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
+use spindle_fiber::Waiter;
 
 use crate::task::TaskRef;
 
-struct Entry {
-    generation: u64,
-    task: TaskRef,
+/// The waiter an `interrupt_after` deadline interrupts, taken by whichever
+/// comes first: the timer (which interrupts it while holding this lock) or
+/// the end of `interrupt_after` (which then knows no interrupt is in
+/// flight).
+pub(crate) type InterruptSlot = Arc<Mutex<Option<Waiter>>>;
+
+enum Entry {
+    /// Ends a `sleep`/`yield_timeout` of the task.
+    Sleep { generation: u64, task: TaskRef },
+    /// Interrupts a fiber (`interrupt_after`).
+    Interrupt(InterruptSlot),
 }
 
 /// Where a timer sits: its deadline, then the order timers were added.
@@ -45,10 +55,19 @@ impl Timers {
     }
 
     pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) -> TimerKey {
+        self.insert(deadline, Entry::Sleep { generation, task })
+    }
+
+    /// A deadline that interrupts the fiber whose waiter is in `slot`.
+    pub(crate) fn add_interrupt(&self, deadline: Instant, slot: InterruptSlot) -> TimerKey {
+        self.insert(deadline, Entry::Interrupt(slot))
+    }
+
+    fn insert(&self, deadline: Instant, entry: Entry) -> TimerKey {
         let mut m = self.map.lock();
         let key = (deadline, m.1);
         m.1 += 1;
-        m.0.insert(key, Entry { generation, task });
+        m.0.insert(key, entry);
         key
     }
 
@@ -86,10 +105,23 @@ impl Timers {
             };
             let Some(entry) = entry else { return fired };
             let _firing = Firing(&self.firing);
+            let (generation, task) = match entry {
+                Entry::Sleep { generation, task } => (generation, task),
+                Entry::Interrupt(slot) => {
+                    // Under the slot's lock: `interrupt_after`'s end waits
+                    // for it, so no interrupt arrives after it returned.
+                    let mut w = slot.lock();
+                    if let Some(w) = w.take() {
+                        w.interrupt();
+                        fired += 1;
+                    }
+                    continue;
+                }
+            };
             let waiter = {
-                let mut slot = entry.task.sleep.lock();
+                let mut slot = task.sleep.lock();
                 // A stale timer (that sleep already ended) wakes nothing.
-                let w = if slot.generation == entry.generation { slot.waiter.take() } else { None };
+                let w = if slot.generation == generation { slot.waiter.take() } else { None };
                 if w.is_some() {
                     slot.timed_out = true;
                 }
@@ -102,7 +134,7 @@ impl Timers {
             // whatever its `Drop` does, was dropped on this thread (sysmon).
             // (A stale entry, whose sleep something else ended, can still
             // be the last if its fiber finished meanwhile: rare.)
-            drop(entry);
+            drop(task);
             if let Some(w) = waiter {
                 w.wake();
                 fired += 1;
@@ -116,11 +148,22 @@ impl Timers {
     pub(crate) fn fire_all(&self) {
         let entries = std::mem::take(&mut self.map.lock().0);
         for (_, e) in entries {
-            let w = e.task.sleep.lock().waiter.take();
-            // As in `fire_due`: the task reference before the wake.
-            drop(e);
-            if let Some(w) = w {
-                w.wake();
+            match e {
+                Entry::Sleep { task, .. } => {
+                    let w = task.sleep.lock().waiter.take();
+                    // As in `fire_due`: the task reference before the wake.
+                    drop(task);
+                    if let Some(w) = w {
+                        w.wake();
+                    }
+                }
+                // Out of its interruptible wait, to its next cancellation
+                // point.
+                Entry::Interrupt(slot) => {
+                    if let Some(w) = slot.lock().take() {
+                        w.interrupt();
+                    }
+                }
             }
         }
     }

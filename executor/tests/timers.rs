@@ -302,3 +302,64 @@ fn a_woken_sleepers_unjoined_value_is_not_dropped_on_sysmon() {
         );
     });
 }
+
+/// `interrupt_after` gives an interruptible wait a deadline: a wait that
+/// nothing ends returns `Interrupted` once it passes (not before), one
+/// that gets its token first returns it, and a deadline that fired while
+/// no wait took it does not reach a later wait.
+#[test]
+fn interrupt_after_gives_an_interruptible_wait_a_deadline() {
+    use spindle_executor::interrupt_after;
+    use spindle_sync::{Interrupted, Semaphore};
+    watchdog("interrupt_after_gives_an_interruptible_wait_a_deadline", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let sem = Arc::new(Semaphore::new(0));
+
+        stage.set("a wait nobody ends, with a 20 ms deadline");
+        let s = Arc::clone(&sem);
+        let (waited, result) = exec
+            .block_on(move || {
+                let start = Instant::now();
+                let r = interrupt_after(Duration::from_millis(20), || s.acquire_interruptible());
+                (start.elapsed(), r)
+            })
+            .unwrap();
+        assert_eq!(result, Err(Interrupted));
+        assert!(waited >= Duration::from_millis(20), "interrupted after {waited:?}, before its deadline");
+        assert_eq!(sem.waiters(), 0);
+
+        stage.set("a wait that gets its token before a long deadline");
+        sem.release(1);
+        let s = Arc::clone(&sem);
+        let r =
+            exec.block_on(move || interrupt_after(Duration::from_secs(3600), || s.acquire_interruptible()));
+        assert_eq!(r.unwrap(), Ok(()));
+
+        stage.set("a deadline that fires while no wait takes it is cleared at the end");
+        let s = Arc::clone(&sem);
+        let later = exec.spawn(move || {
+            interrupt_after(Duration::from_millis(1), || {
+                // Busy past the deadline, reaching no interruptible wait,
+                // until the timer has fired (polled, not assumed).
+                let start = Instant::now();
+                while start.elapsed() < Duration::from_millis(5) {
+                    yield_timeout(Duration::from_millis(1));
+                }
+            });
+            // A later wait is not interrupted by it: the release below
+            // ends it.
+            s.acquire_interruptible()
+        });
+        wait_for(&stage, "the later wait", || sem.waiters() == 1);
+        sem.release(1);
+        assert_eq!(later.join().unwrap(), Ok(()));
+    });
+}
+
+/// Outside an executor fiber `interrupt_after` refuses: a thread's waits
+/// cannot be interrupted.
+#[test]
+#[should_panic(expected = "interrupt_after called outside an executor fiber")]
+fn interrupt_after_on_a_thread_panics() {
+    spindle_executor::interrupt_after(Duration::from_millis(1), || ());
+}

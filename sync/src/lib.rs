@@ -52,8 +52,9 @@
 //! end early, with [`Interrupted`] and nothing taken, when the waiting
 //! fiber is interrupted ([`spindle_fiber::Fiber::interrupt`],
 //! [`spindle_fiber::Waiter::interrupt`]). That is how a wait is given up:
-//! `spindle-executor`'s `JoinHandle::cancel` interrupts them, and a
-//! scheduler or a timer of your own can too. The plain `acquire` and `pop`
+//! `spindle-executor`'s `JoinHandle::cancel` interrupts them, its
+//! `interrupt_after` gives them a timeout, and a scheduler or a timer of
+//! your own can interrupt them too. The plain `acquire` and `pop`
 //! are not interrupted (an interrupt stays pending for the next
 //! interruptible wait). Threads are not interrupted.
 //!
