@@ -23,9 +23,12 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// every thread is joined before `drop` returns. (Dropped on one of its own
 /// threads, inside one of its fibers or on its monitor thread by a value's
 /// `Drop`, it cannot wait for that thread: the shutdown then runs on a
-/// thread of its own, and `drop` returns at once.) Fibers asleep on a
-/// `spindle-sync` primitive are not unwound by the shutdown (their joins
-/// fail as cancelled): the primitive's wait list holds them. One signalled
+/// thread of its own, and `drop` returns at once.) Fibers in an
+/// interruptible wait on a `spindle-sync` primitive
+/// (`acquire_interruptible`, `pop_interruptible`) are interrupted and
+/// unwind at their next cancellation point. Fibers asleep in a plain wait
+/// on a primitive are not unwound by the shutdown (their joins fail as
+/// cancelled): the primitive's wait list holds them. One signalled
 /// later is dropped where the signal comes from: unwound if that is its
 /// worker's thread (a thread-local destructor there, say), else its stack
 /// is leaked and its destructors never run; one never signalled leaks
@@ -445,6 +448,7 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
         std::thread::yield_now();
     }
     shared.timers.fire_all();
+    shared.interrupt_all_sleeping();
     shared.wake_all();
     // 2. Let the workers run until nothing is left to run: unwinding
     //    one fiber may wake others (joiners, semaphore waiters).
@@ -625,8 +629,11 @@ impl<T: Send> JoinHandle<T> {
         // its sleeping map, then loads the flag (see `interrupt_sleeping`).
         self.task.cancelled.store(true, Ordering::SeqCst);
         self.wake();
-        if let Some(id) = FiberId::from_u64(self.task.started_fiber.load(Ordering::Acquire)) {
-            self.shared.interrupt_sleeping(id, self.task.as_raw());
+        // SeqCst: against the worker's store of `started_fiber` then load of
+        // `cancelled` (store buffering: one of the two loads sees the
+        // other's store).
+        if let Some(id) = FiberId::from_u64(self.task.started_fiber.load(Ordering::SeqCst)) {
+            self.shared.interrupt_sleeping(id, self.task.as_raw(), true);
         }
     }
 

@@ -402,19 +402,48 @@ impl Shared {
     /// `spindle-sync` primitive, if it is in one, returns. The worker side
     /// of the race (a fiber that goes to sleep as this looks) is in
     /// `Worker::run_one`: whichever of the two comes second interrupts it.
-    pub(crate) fn interrupt_sleeping(&self, id: FiberId, task: usize) {
+    ///
+    /// `always_wake`: wake it even if a mark was pending already. The
+    /// worker's check after every sleep passes false: a fiber whose mark is
+    /// still pending sleeps in a plain wait (an interruptible one takes the
+    /// mark), and waking it again would only make it sleep again, forever.
+    pub(crate) fn interrupt_sleeping(&self, id: FiberId, task: usize, always_wake: bool) {
         for w in self.workers.iter() {
             // Marked under the lock, while the fiber is known to sleep in
             // this task (fibers are reused: a mark made later could reach
             // the next task's wait), woken after it: the wake locks the
             // inbox, which comes before `sleeping` in the lock order.
-            let waiter = w.sleeping.lock().get(&id).filter(|f| f.sched_data() == task).map(|f| {
-                f.set_interrupt();
-                f.waiter()
+            let found = w.sleeping.lock().get(&id).filter(|f| f.sched_data() == task).map(|f| {
+                let new = f.set_interrupt();
+                (new || always_wake).then(|| f.waiter())
             });
-            if let Some(w) = waiter {
-                w.wake();
+            if let Some(waiter) = found {
+                if let Some(w) = waiter {
+                    w.wake();
+                }
                 return;
+            }
+        }
+    }
+
+    /// Shutdown: interrupts every fiber asleep in one of the workers'
+    /// maps, so that those in interruptible waits reach their next
+    /// cancellation point (fibers that sleep later are interrupted by
+    /// their worker, which checks `shutdown` after every sleep).
+    pub(crate) fn interrupt_all_sleeping(&self) {
+        for w in self.workers.iter() {
+            let waiters: Vec<_> = w
+                .sleeping
+                .lock()
+                .values()
+                .filter(|f| f.sched_data() != 0)
+                .map(|f| {
+                    f.set_interrupt();
+                    f.waiter()
+                })
+                .collect();
+            for waiter in waiters {
+                waiter.wake();
             }
         }
     }

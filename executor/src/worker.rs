@@ -272,8 +272,13 @@ impl Worker {
                 // A cancel that came while the fiber ran missed it in the
                 // map: interrupt it here (`Shared::interrupt_sleeping`
                 // covers the other order; SeqCst on both flags' sides).
-                if raw != 0 && task(raw).cancelled.load(Ordering::SeqCst) {
-                    self.shared().interrupt_sleeping(id, raw);
+                // So is a shutdown that began while it ran. Only a new mark
+                // wakes it (see `interrupt_sleeping`).
+                if raw != 0
+                    && (task(raw).cancelled.load(Ordering::SeqCst)
+                        || self.shared().shutdown.load(Ordering::SeqCst))
+                {
+                    self.shared().interrupt_sleeping(id, raw, false);
                 }
             }
             Ok(RunOutcome::Returned(())) => self.finish(fiber, None),
@@ -341,7 +346,8 @@ impl Worker {
             }
         };
         let Job { task, priority } = job;
-        task.started_fiber.store(fiber.id().as_u64(), Ordering::Release);
+        // SeqCst: see `JoinHandle::cancel`.
+        task.started_fiber.store(fiber.id().as_u64(), Ordering::SeqCst);
         // The function's own counted reference, on the fiber's stack until
         // it returns or is unwound. Scope soundness rests on it: a scoped
         // task cannot finish (and release its scope) while its closure's

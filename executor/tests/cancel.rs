@@ -436,3 +436,69 @@ fn cancel_interrupts_an_interruptible_wait() {
         }
     });
 }
+
+/// A cancelled fiber asleep in a plain wait (`acquire`, `pop`, `join`)
+/// sleeps: it is woken at most once for the cancel (the wait sleeps
+/// again), not over and over by its worker, and dropping the executor
+/// then does not wait for it. (The worker used to re-interrupt it after
+/// every sleep: a busy loop, and a drop that never returned.)
+#[test]
+fn a_cancelled_fiber_in_a_plain_wait_stays_asleep() {
+    watchdog("a_cancelled_fiber_in_a_plain_wait_stays_asleep", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let chan = Arc::new(Channel::<u32>::new());
+        let in_acquire = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || sem.acquire())
+        };
+        let in_pop = {
+            let chan = Arc::clone(&chan);
+            exec.spawn(move || chan.pop().into_inner())
+        };
+        wait_for(&stage, "both fibers to wait", || sem.waiters() == 1 && chan.receivers() == 1);
+        in_acquire.cancel();
+        in_pop.cancel();
+        let handoffs = exec.stats().inbox_handoffs;
+        // Not synchronisation: a window in which a busy loop of wakes
+        // would make millions of handoffs.
+        let window = std::time::Instant::now();
+        while window.elapsed() < Duration::from_millis(100) {
+            std::thread::yield_now();
+        }
+        let woken = exec.stats().inbox_handoffs - handoffs;
+        assert!(woken <= 4, "the cancelled fibers were woken {woken} times while they waited");
+        assert_eq!((sem.waiters(), chan.receivers()), (1, 1), "both still wait");
+        stage.set("the acquire gets its token, then unwinds at its next cancellation point");
+        sem.release(1);
+        assert!(matches!(in_acquire.join(), Ok(())), "no cancellation point after the acquire");
+        stage.set("dropping the executor with the fiber in the plain pop");
+        drop(exec);
+        assert!(in_pop.join().is_err_and(|e| e.is_cancelled()));
+    });
+}
+
+/// A `Waiter` kept from an earlier task interrupts nothing in a later
+/// task that runs on the same (reused) fiber.
+#[test]
+fn a_waiter_kept_from_an_earlier_task_does_not_interrupt_the_next() {
+    use spindle_sync::Interrupted;
+    watchdog("a_waiter_kept_from_an_earlier_task_does_not_interrupt_the_next", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let first = exec.spawn(|| spindle_fiber::Waiter::current().expect("in a fiber"));
+        wait_for(&stage, "the first task to finish", || first.is_finished());
+        let first_fiber = first.fiber_id();
+        let kept = first.join().unwrap();
+        let sem = Arc::new(Semaphore::new(0));
+        let second = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || sem.acquire_interruptible())
+        };
+        wait_for(&stage, "the second task to wait", || sem.waiters() == 1);
+        assert_eq!(second.fiber_id(), first_fiber, "the fiber was reused");
+        kept.interrupt();
+        assert_eq!(sem.waiters(), 1, "the wait goes on");
+        sem.release(1);
+        assert_eq!(second.join().unwrap(), Ok::<(), Interrupted>(()));
+    });
+}

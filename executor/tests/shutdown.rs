@@ -351,3 +351,30 @@ fn a_joiner_woken_during_the_final_drain_has_its_join_completed() {
         }
     });
 }
+
+/// Shutdown interrupts a fiber in an interruptible wait: the wait returns
+/// `Interrupted`, the fiber unwinds at its next cancellation point (its
+/// locals dropped), and its join reports the cancel.
+#[test]
+fn drop_interrupts_fibers_in_interruptible_waits() {
+    use spindle_sync::Channel;
+    watchdog("drop_interrupts_fibers_in_interruptible_waits", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let chan = Arc::new(Channel::<u32>::new());
+        let dropped = Flag::new();
+        let h = {
+            let (chan, guard) = (Arc::clone(&chan), dropped.on_drop());
+            exec.spawn(move || {
+                let _local = guard;
+                let r = chan.pop_interruptible();
+                yield_now(); // a cancellation point
+                r.is_err()
+            })
+        };
+        wait_for(&stage, "the fiber to wait", || chan.receivers() == 1);
+        drop(exec);
+        assert!(h.join().is_err_and(|e| e.is_cancelled()));
+        assert!(dropped.is_set(), "the fiber was unwound, its locals dropped");
+        assert_eq!(chan.receivers(), 0);
+    });
+}

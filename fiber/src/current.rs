@@ -278,6 +278,9 @@ pub fn yield_now() {
 /// ```
 pub struct Waiter {
     header: NonNull<Header>,
+    /// The generation of the function it was made for (see
+    /// `Header::interrupt`): its `interrupt` reaches that function only.
+    generation: u64,
 }
 
 // SAFETY: a Waiter only holds a counted reference; every operation on it
@@ -294,7 +297,12 @@ impl Waiter {
         // SAFETY: the header is alive (it is running); retain adds the
         // reference this Waiter owns.
         unsafe { (h.as_ref().vtable.retain)(h) };
-        Some(Waiter { header: h })
+        // SAFETY: as above.
+        let generation = unsafe { h.as_ref() }.interrupt.load(Ordering::Relaxed) >> 1;
+        Some(Waiter {
+            header: h,
+            generation,
+        })
     }
 
     fn header(&self) -> &Header {
@@ -339,9 +347,18 @@ impl Waiter {
     /// assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(_))));
     /// assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(true))));
     /// ```
+    ///
+    /// A waiter kept past the function it was made for (the fiber was
+    /// given a new function since, as an executor does when it reuses a
+    /// fiber) interrupts nothing and does not wake it.
     pub fn interrupt(self) {
-        mark_interrupt(self.header());
-        self.wake();
+        if mark_interrupt(self.header(), Some(self.generation)) || self.is_current_generation() {
+            self.wake();
+        }
+    }
+
+    fn is_current_generation(&self) -> bool {
+        self.header().interrupt.load(Ordering::Acquire) >> 1 == self.generation
     }
 
     /// A waiter made from a reference the caller already owns.
@@ -350,7 +367,9 @@ impl Waiter {
     /// `header` is a live fiber's header and the caller hands over one
     /// counted reference to it.
     pub(crate) unsafe fn from_owned(header: NonNull<Header>) -> Waiter {
-        Waiter { header }
+        // SAFETY: the caller's contract.
+        let generation = unsafe { header.as_ref() }.interrupt.load(Ordering::Acquire) >> 1;
+        Waiter { header, generation }
     }
 
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
@@ -455,9 +474,25 @@ pub fn sleep_on(reason: &'static WaitReason) {
 /// both sides fence: either this load sees `Running` or a later state (and
 /// the wake is deferred to, or reaches, a sleep that comes after it), or
 /// the fiber's check after its fence sees the mark.
-pub(crate) fn mark_interrupt(h: &Header) {
-    h.interrupt.store(true, Ordering::Release);
+///
+/// `generation`: mark only that function's run (`None`: whatever runs now).
+/// Returns whether the mark is new.
+pub(crate) fn mark_interrupt(h: &Header, generation: Option<u64>) -> bool {
+    let mut cur = h.interrupt.load(Ordering::Relaxed);
+    let new = loop {
+        if generation.is_some_and(|g| cur >> 1 != g) || cur & 1 == 1 {
+            break false;
+        }
+        match h
+            .interrupt
+            .compare_exchange_weak(cur, cur | 1, Ordering::Release, Ordering::Relaxed)
+        {
+            Ok(_) => break true,
+            Err(actual) => cur = actual,
+        }
+    };
     std::sync::atomic::fence(Ordering::SeqCst);
+    new
 }
 
 /// Takes the calling fiber's pending interrupt ([`Waiter::interrupt`],
@@ -472,7 +507,7 @@ pub fn take_interrupt() -> bool {
     // Pairs with the fence in `mark_interrupt` (see there).
     std::sync::atomic::fence(Ordering::SeqCst);
     // A plain load first: no locked instruction when none is pending.
-    h.interrupt.load(Ordering::Acquire) && h.interrupt.swap(false, Ordering::Acquire)
+    h.interrupt.load(Ordering::Acquire) & 1 == 1 && h.interrupt.fetch_and(!1, Ordering::Acquire) & 1 == 1
 }
 
 /// The scheduler word of the fiber running on this thread (see

@@ -433,7 +433,7 @@ impl<T: Send + 'static> Fiber<T> {
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
-            interrupt: AtomicBool::new(false),
+            interrupt: AtomicU64::new(0),
             unwinding_for_drop: AtomicBool::new(false),
             stackless: AtomicBool::new(false),
         };
@@ -598,7 +598,9 @@ impl<T: Send + 'static> Fiber<T> {
         // The new function stores its yielder when it starts.
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
-        h.interrupt.store(false, Ordering::Relaxed);
+        // A new generation, no mark (published by the state store below).
+        let generation = (h.interrupt.load(Ordering::Relaxed) >> 1).wrapping_add(1);
+        h.interrupt.store(generation << 1, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
         h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
@@ -1075,19 +1077,24 @@ impl<T> Fiber<T> {
         self.waiter().wake();
     }
 
-    /// Marks an interrupt pending without waking the fiber: its next
-    /// interruptible wait returns at once, or the one it sleeps in now
-    /// returns once something wakes it (a [`waiter`](Fiber::waiter)). For
-    /// schedulers that must mark the fiber while they know which function
-    /// it runs (under a lock of their own) and wake it afterwards.
-    pub fn set_interrupt(&self) {
-        crate::current::mark_interrupt(self.header());
+    /// Marks an interrupt pending for the fiber's current function
+    /// without waking the fiber: its next interruptible wait returns at
+    /// once, or the one it sleeps in now returns once something wakes it
+    /// (a [`waiter`](Fiber::waiter)). For schedulers that must mark the
+    /// fiber while they know which function it runs (under a lock of their
+    /// own) and wake it afterwards. Returns whether the mark is new (false:
+    /// one was pending already, so a wake for it was made before).
+    pub fn set_interrupt(&self) -> bool {
+        crate::current::mark_interrupt(self.header(), None)
     }
 
     /// A [`Waiter`](crate::Waiter) for this fiber. Waking it is what a
     /// primitive's waker does; a fiber woken while it sleeps on something
     /// that did not hand it anything sees a spurious wakeup (primitives
     /// check again and sleep on, as they do for any stale waiter).
+    ///
+    /// Its [`interrupt`](crate::Waiter::interrupt) reaches the function
+    /// the fiber has now, not a later one.
     pub fn waiter(&self) -> crate::Waiter {
         // A counted reference handed to the waiter: the header is the
         // first field of the `repr(C)` allocation.

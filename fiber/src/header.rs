@@ -173,10 +173,13 @@ pub(crate) struct Header {
     /// cleared by its runner just after (same thread); cleared by
     /// `set_function`.
     pub(crate) sleep_request: AtomicBool,
-    /// An interrupt is pending (`Waiter::interrupt`, `Fiber::interrupt`):
-    /// set by anyone before they wake the fiber, taken by the fiber
-    /// (`take_interrupt`), cleared by `set_function`.
-    pub(crate) interrupt: AtomicBool,
+    /// Bit 0: an interrupt is pending (`Waiter::interrupt`,
+    /// `Fiber::interrupt`), set by anyone before they wake the fiber, taken
+    /// by the fiber (`take_interrupt`). The other bits: the function's
+    /// generation, bumped by `set_function` (which clears the mark), so
+    /// that a `Waiter` kept from an earlier function cannot interrupt a
+    /// later one (fibers are reused).
+    pub(crate) interrupt: AtomicU64,
     /// Set by `release` while it unwinds the stack of the dropped fiber
     /// (read by `may_sleep` on the fiber's stack, same thread), cleared
     /// when that unwind is over and by `set_function`.

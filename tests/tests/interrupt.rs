@@ -208,3 +208,25 @@ fn interrupts_racing_releases_and_pushes_lose_nothing() {
         eprintln!("{} of {ROUNDS} waits interrupted", interrupted.load(Ordering::SeqCst));
     });
 }
+
+/// A `Waiter` made during one function interrupts that function only: once
+/// the fiber has a new function, it neither marks nor wakes it.
+#[test]
+fn a_waiter_from_an_earlier_function_interrupts_nothing() {
+    let sem = Arc::new(Semaphore::new(0));
+    let slot = Arc::new(std::sync::Mutex::new(None));
+    let k = slot.clone();
+    let f = fiber(Priority::NORMAL, move || {
+        *k.lock().unwrap() = spindle_fiber::Waiter::current();
+        (Ok(()), false)
+    });
+    assert!(matches!(f.run(), Ok(RunOutcome::Returned(_))));
+    let kept = slot.lock().unwrap().take().expect("the first function's waiter");
+    let s = sem.clone();
+    f.set_function(Priority::NORMAL, move || (s.acquire_interruptible(), take_interrupt())).unwrap();
+    assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+    kept.interrupt();
+    assert_eq!(f.state(), FiberState::Sleeping, "not woken");
+    sem.release(1);
+    assert!(matches!(f.run(), Ok(RunOutcome::Returned((Ok(()), false)))));
+}
