@@ -618,7 +618,11 @@ impl<T: Send> JoinHandle<T> {
     /// fiber unwinds at its next executor suspension point. One asleep in a
     /// plain wait (`acquire`, `pop`: not a cancellation point) first gets
     /// what it waits for: a fiber in a plain `pop` on a channel nobody
-    /// pushes to is not stopped by a cancel.
+    /// pushes to is not stopped by a cancel. A loop that retries an
+    /// interruptible wait after `Interrupted` must reach a cancellation
+    /// point (`yield_now`, or [`interrupt_after`](crate::interrupt_after),
+    /// which is one), or it spins once cancelled: every wait it makes then
+    /// returns at once.
     ///
     /// A request, not a guarantee: a fiber that has already finished, or
     /// finishes without reaching a suspension point, keeps its result, and

@@ -223,10 +223,14 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// [`Interrupted`](spindle_sync::Interrupted) at once
 /// ([`Semaphore::acquire_interruptible`], [`Channel::pop_interruptible`]).
 /// That is how a wait is given a timeout. Plain waits (`acquire`, `pop`)
-/// are not interrupted. When `f` returns, the deadline is disarmed, and an
-/// interrupt it made that no wait took is cleared, so it cannot reach a
-/// later wait (an interrupt made by a cancel is cleared with it; the
-/// cancel itself still takes effect at the next cancellation point).
+/// are not interrupted. When `f` returns, the deadline is disarmed; if it
+/// fired, the fiber's pending interrupt, if no wait took it, is cleared, so
+/// that it cannot reach a later wait. (That mark is one bit: an interrupt
+/// made by a cancel or a `Waiter` meanwhile is cleared with it. The cancel
+/// still takes effect at the next cancellation point. An enclosing
+/// `interrupt_after` whose own deadline has fired keeps the mark for its
+/// next wait.) It is a cancellation point itself, so a loop that retries a
+/// timed wait stops once the fiber is cancelled.
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -258,14 +262,19 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// [`Channel::pop_interruptible`]: spindle_sync::Channel::pop_interruptible
 #[track_caller]
 pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
-    let Some((_, w)) = current_task() else {
+    let Some((raw, w)) = current_task() else {
         panic!(
             "spindle_executor::interrupt_after called outside an executor fiber: only a fiber's \
              interruptible waits can be given a deadline (on a thread, poll with try_acquire/try_pop)"
         );
     };
+    // A cancellation point: a loop that retries a timed wait would
+    // otherwise spin once cancelled (its waits are interrupted at once).
+    check_cancel();
+    let task = task_head(raw);
     let slot: crate::timer::InterruptSlot =
         std::sync::Arc::new(parking_lot::Mutex::new(spindle_fiber::Waiter::current()));
+    task.deadlines.lock().push(slot.clone());
     let shared = &w.shared;
     let key = shared.timers.add_interrupt(deadline_after(d), slot.clone());
     shared.sysmon_unparker.unpark();
@@ -273,21 +282,41 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     /// Disarms the deadline when `f` returns or unwinds.
     struct Disarm<'a> {
         shared: &'a crate::shared::Shared,
+        task: &'a TaskHead,
         key: crate::timer::TimerKey,
         slot: crate::timer::InterruptSlot,
     }
     impl Drop for Disarm<'_> {
         fn drop(&mut self) {
             self.shared.timers.remove(self.key);
+            let enclosing = {
+                let mut deadlines = self.task.deadlines.lock();
+                deadlines.pop();
+                deadlines.last().cloned()
+            };
             // Waits for a timer firing right now: it interrupts under
             // this lock. Afterwards no interrupt of ours can come.
             let ours = self.slot.lock().take();
             if ours.is_none() {
-                // The deadline fired: clear a mark that no wait took.
-                let _ = spindle_fiber::take_interrupt();
+                // The deadline fired: clear a mark that no wait took,
+                // unless an enclosing deadline has fired too (its mark is
+                // the same bit, and must reach the enclosing call's next
+                // wait). The enclosing slot's lock keeps its timer from
+                // firing between the look and the clearing.
+                match enclosing {
+                    Some(outer) => {
+                        let outer = outer.lock();
+                        if outer.is_some() {
+                            let _ = spindle_fiber::take_interrupt();
+                        }
+                    }
+                    None => {
+                        let _ = spindle_fiber::take_interrupt();
+                    }
+                }
             }
         }
     }
-    let _disarm = Disarm { shared, key, slot };
+    let _disarm = Disarm { shared, task, key, slot };
     f()
 }

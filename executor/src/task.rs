@@ -211,6 +211,9 @@ pub(crate) struct TaskHead {
     /// Boxed: errors are rare and the head stays small.
     pub(crate) error: Mutex<Option<Box<JoinError>>>,
     pub(crate) sleep: Mutex<SleepSlot>,
+    /// The armed `interrupt_after` deadlines of the task's fiber, outermost
+    /// first (touched only by that fiber).
+    pub(crate) deadlines: Mutex<Vec<crate::timer::InterruptSlot>>,
 }
 
 struct TaskVTable {
@@ -275,6 +278,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
                 done: Semaphore::new(0),
                 error: Mutex::new(None),
                 sleep: Mutex::new(SleepSlot::default()),
+                deadlines: Mutex::new(Vec::new()),
             },
             result: Mutex::new(None),
             job: UnsafeCell::new(Some(f)),

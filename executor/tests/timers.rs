@@ -363,3 +363,61 @@ fn interrupt_after_gives_an_interruptible_wait_a_deadline() {
 fn interrupt_after_on_a_thread_panics() {
     spindle_executor::interrupt_after(Duration::from_millis(1), || ());
 }
+
+/// A nested `interrupt_after` that fired keeps an enclosing deadline's
+/// interrupt when that has fired too: the enclosing call's next wait is
+/// interrupted at once. (The inner call used to clear the shared mark, so
+/// the outer wait slept on past its deadline.)
+#[test]
+fn a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt() {
+    use spindle_executor::interrupt_after;
+    use spindle_sync::{Channel, Interrupted, Msg};
+    watchdog("a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt", 30, |_| {
+        let exec = Executor::builder().workers(1).build();
+        let (inner, outer) = exec
+            .block_on(|| {
+                let chan = Channel::<u32>::new(); // nobody sends
+                interrupt_after(Duration::from_millis(30), || {
+                    let inner = interrupt_after(Duration::from_millis(5), || {
+                        let r = chan.pop_interruptible().map(Msg::into_inner);
+                        // Past the outer deadline, still inside the inner
+                        // call, in no interruptible wait.
+                        let start = Instant::now();
+                        while start.elapsed() < Duration::from_millis(60) {
+                            yield_timeout(Duration::from_millis(5));
+                        }
+                        r
+                    });
+                    (inner, chan.pop_interruptible().map(Msg::into_inner))
+                })
+            })
+            .unwrap();
+        assert_eq!(inner, Err(Interrupted));
+        assert_eq!(outer, Err(Interrupted), "the outer deadline's interrupt reached its wait");
+    });
+}
+
+/// A loop that retries a timed wait stops once its fiber is cancelled:
+/// `interrupt_after` is a cancellation point. (Before, every wait was
+/// interrupted at once and the loop spun, so the join never returned.)
+#[test]
+fn a_timed_wait_retry_loop_stops_when_cancelled() {
+    use spindle_executor::interrupt_after;
+    use spindle_sync::Channel;
+    watchdog("a_timed_wait_retry_loop_stops_when_cancelled", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let chan = Arc::new(Channel::<u32>::new());
+        let rounds = Arc::new(AtomicUsize::new(0));
+        let h = {
+            let (chan, rounds) = (Arc::clone(&chan), Arc::clone(&rounds));
+            exec.spawn(move || loop {
+                let _ = interrupt_after(Duration::from_millis(200), || chan.pop_interruptible());
+                rounds.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        wait_for(&stage, "the loop to wait", || chan.receivers() == 1);
+        h.cancel();
+        assert!(h.join().is_err_and(|e| e.is_cancelled()));
+        assert!(rounds.load(Ordering::SeqCst) <= 2, "the loop stopped at its next round");
+    });
+}

@@ -332,7 +332,8 @@ impl Waiter {
     /// `spindle-sync`'s interruptible waits (`acquire_interruptible`,
     /// `pop_interruptible`) do, and return an error instead of waiting on.
     /// A mark nobody takes stays pending until the fiber is given a new
-    /// function.
+    /// function (or something that owns the mark clears it, as
+    /// `spindle-executor`'s `interrupt_after` does when its deadline fired).
     ///
     /// ```
     /// use spindle_fiber::{take_interrupt, yield_now, Fiber, FiberAttr, Priority, RunOutcome, Waiter};
