@@ -217,19 +217,18 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
     Some(timed_out)
 }
 
-/// Runs `f` with a deadline: if `f` is still running `d` from now, the
-/// calling fiber is interrupted ([`Fiber::interrupt`]), so that an
-/// interruptible wait it is in, or enters next, returns
-/// [`Interrupted`](spindle_sync::Interrupted) at once
-/// ([`Semaphore::acquire_interruptible`], [`Channel::pop_interruptible`]).
-/// That is how a wait is given a timeout. Plain waits (`acquire`, `pop`)
-/// are not interrupted. When `f` returns, the deadline is disarmed; if it
-/// fired, the fiber's pending interrupt, if no wait took it, is cleared, so
-/// that it cannot reach a later wait. (That mark is one bit: an interrupt
-/// made by a cancel or a `Waiter` meanwhile is cleared with it. The cancel
-/// still takes effect at the next cancellation point. An enclosing
-/// `interrupt_after` whose own deadline has fired keeps the mark for its
-/// next wait.) It is a cancellation point itself, so a loop that retries a
+/// Runs `f` with a deadline: once `d` has passed and for as long as `f`
+/// runs, every interruptible wait of the calling fiber
+/// ([`Semaphore::acquire_interruptible`], [`Channel::pop_interruptible`])
+/// returns [`Interrupted`](spindle_sync::Interrupted): the one it is in
+/// when the deadline passes, and each one it enters afterwards (a token
+/// or message already there is still taken). That is how waits are given
+/// a timeout, and nested calls each keep their own deadline. Plain waits
+/// (`acquire`, `pop`) are not interrupted. When `f` returns, the deadline
+/// is disarmed; an interrupt it made that no wait took is cleared, so
+/// later waits are not interrupted (the interrupt mark is one bit: one
+/// made by a `Waiter` meanwhile is cleared with it; a cancel still takes
+/// effect). It is a cancellation point itself, so a loop that retries a
 /// timed wait stops once the fiber is cancelled.
 ///
 /// ```
@@ -274,9 +273,10 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     let task = task_head(raw);
     let slot: crate::timer::InterruptSlot =
         std::sync::Arc::new(parking_lot::Mutex::new(spindle_fiber::Waiter::current()));
-    task.deadlines.lock().push(slot.clone());
     let shared = &w.shared;
-    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone());
+    // SAFETY: the fiber's sched word holds the reference (see task_head).
+    let task_ref = unsafe { TaskRef::clone_raw(raw) };
+    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone(), task_ref);
     shared.sysmon_unparker.unpark();
 
     /// Disarms the deadline when `f` returns or unwinds.
@@ -289,30 +289,19 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     impl Drop for Disarm<'_> {
         fn drop(&mut self) {
             self.shared.timers.remove(self.key);
-            let enclosing = {
-                let mut deadlines = self.task.deadlines.lock();
-                deadlines.pop();
-                deadlines.last().cloned()
-            };
             // Waits for a timer firing right now: it interrupts under
             // this lock. Afterwards no interrupt of ours can come.
             let ours = self.slot.lock().take();
             if ours.is_none() {
-                // The deadline fired: clear a mark that no wait took,
-                // unless an enclosing deadline has fired too (its mark is
-                // the same bit, and must reach the enclosing call's next
-                // wait). The enclosing slot's lock keeps its timer from
-                // firing between the look and the clearing.
-                match enclosing {
-                    Some(outer) => {
-                        let outer = outer.lock();
-                        if outer.is_some() {
-                            let _ = spindle_fiber::take_interrupt();
-                        }
-                    }
-                    None => {
-                        let _ = spindle_fiber::take_interrupt();
-                    }
+                // The deadline fired. If no other fired deadline of this
+                // fiber is still armed (an enclosing call's), clear a mark
+                // that no wait took. If one is, its waits stay interrupted:
+                // the mark, and the worker's check after every sleep.
+                // (One that fires after the decrement re-marks the fiber at
+                // its next sleep, so a clearing that races it loses
+                // nothing.)
+                if self.task.fired_deadlines.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    let _ = spindle_fiber::take_interrupt();
                 }
             }
         }

@@ -8,7 +8,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -211,9 +211,10 @@ pub(crate) struct TaskHead {
     /// Boxed: errors are rare and the head stays small.
     pub(crate) error: Mutex<Option<Box<JoinError>>>,
     pub(crate) sleep: Mutex<SleepSlot>,
-    /// The armed `interrupt_after` deadlines of the task's fiber, outermost
-    /// first (touched only by that fiber).
-    pub(crate) deadlines: Mutex<Vec<crate::timer::InterruptSlot>>,
+    /// `interrupt_after` calls of the task's fiber whose deadline has
+    /// fired and that have not returned yet: while there is one, the worker
+    /// interrupts the fiber whenever it sleeps (deadlines are sticky).
+    pub(crate) fired_deadlines: AtomicUsize,
 }
 
 struct TaskVTable {
@@ -278,7 +279,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
                 done: Semaphore::new(0),
                 error: Mutex::new(None),
                 sleep: Mutex::new(SleepSlot::default()),
-                deadlines: Mutex::new(Vec::new()),
+                fired_deadlines: AtomicUsize::new(0),
             },
             result: Mutex::new(None),
             job: UnsafeCell::new(Some(f)),

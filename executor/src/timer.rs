@@ -20,8 +20,9 @@ pub(crate) type InterruptSlot = Arc<Mutex<Option<Waiter>>>;
 enum Entry {
     /// Ends a `sleep`/`yield_timeout` of the task.
     Sleep { generation: u64, task: TaskRef },
-    /// Interrupts a fiber (`interrupt_after`).
-    Interrupt(InterruptSlot),
+    /// Interrupts a fiber (`interrupt_after`) and counts the deadline as
+    /// fired in its task.
+    Interrupt(InterruptSlot, TaskRef),
 }
 
 /// Where a timer sits: its deadline, then the order timers were added.
@@ -59,8 +60,8 @@ impl Timers {
     }
 
     /// A deadline that interrupts the fiber whose waiter is in `slot`.
-    pub(crate) fn add_interrupt(&self, deadline: Instant, slot: InterruptSlot) -> TimerKey {
-        self.insert(deadline, Entry::Interrupt(slot))
+    pub(crate) fn add_interrupt(&self, deadline: Instant, slot: InterruptSlot, task: TaskRef) -> TimerKey {
+        self.insert(deadline, Entry::Interrupt(slot, task))
     }
 
     fn insert(&self, deadline: Instant, entry: Entry) -> TimerKey {
@@ -107,14 +108,19 @@ impl Timers {
             let _firing = Firing(&self.firing);
             let (generation, task) = match entry {
                 Entry::Sleep { generation, task } => (generation, task),
-                Entry::Interrupt(slot) => {
+                Entry::Interrupt(slot, task) => {
                     // Under the slot's lock: `interrupt_after`'s end waits
                     // for it, so no interrupt arrives after it returned.
                     let mut w = slot.lock();
                     if let Some(w) = w.take() {
+                        task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
                         w.interrupt();
                         fired += 1;
                     }
+                    drop(w);
+                    // Not the task's last reference: its fiber, which
+                    // holds its own until it returns, is in `f` still.
+                    drop(task);
                     continue;
                 }
             };
@@ -159,8 +165,9 @@ impl Timers {
                 }
                 // Out of its interruptible wait, to its next cancellation
                 // point.
-                Entry::Interrupt(slot) => {
+                Entry::Interrupt(slot, task) => {
                     if let Some(w) = slot.lock().take() {
+                        task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
                         w.interrupt();
                     }
                 }

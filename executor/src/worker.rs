@@ -273,10 +273,13 @@ impl Worker {
                 // map: interrupt it here (`Shared::interrupt_sleeping`
                 // covers the other order; SeqCst on both flags' sides).
                 // So is a shutdown that began while it ran. Only a new mark
-                // wakes it (see `interrupt_sleeping`).
+                // wakes it (see `interrupt_sleeping`). And so is a fiber
+                // inside an `interrupt_after` whose deadline fired
+                // (deadlines are sticky for their call).
                 if raw != 0
                     && (task(raw).cancelled.load(Ordering::SeqCst)
-                        || self.shared().shutdown.load(Ordering::SeqCst))
+                        || self.shared().shutdown.load(Ordering::SeqCst)
+                        || task(raw).fired_deadlines.load(Ordering::Relaxed) > 0)
                 {
                     self.shared().interrupt_sleeping(id, raw, false);
                 }

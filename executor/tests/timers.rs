@@ -421,3 +421,63 @@ fn a_timed_wait_retry_loop_stops_when_cancelled() {
         assert!(rounds.load(Ordering::SeqCst) <= 2, "the loop stopped at its next round");
     });
 }
+
+/// A deadline is sticky for its call: once it has passed, every
+/// interruptible wait inside that `interrupt_after` returns `Interrupted`,
+/// whatever nested calls with their own deadlines did meanwhile (deadlines
+/// at equal times, three levels, a wait that already took the mark).
+#[test]
+fn a_passed_deadline_interrupts_every_wait_in_its_call() {
+    use spindle_executor::interrupt_after;
+    use spindle_sync::{Channel, Interrupted, Msg};
+    fn wait(chan: &Channel<u32>) -> Result<u32, Interrupted> {
+        chan.pop_interruptible().map(Msg::into_inner)
+    }
+    fn dawdle(d: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < d {
+            yield_timeout(Duration::from_millis(2));
+        }
+    }
+    watchdog("a_passed_deadline_interrupts_every_wait_in_its_call", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        stage.set("the same deadline twice, nested: the inner wait takes the one mark");
+        let got = exec
+            .block_on(|| {
+                let chan = Channel::<u32>::new(); // nobody sends
+                interrupt_after(Duration::from_millis(10), || {
+                    let inner = interrupt_after(Duration::from_millis(10), || wait(&chan));
+                    (inner, wait(&chan), wait(&chan))
+                })
+            })
+            .unwrap();
+        assert_eq!(got, (Err(Interrupted), Err(Interrupted), Err(Interrupted)));
+
+        stage.set("three levels: short, long, short; the innermost outlives the outermost deadline");
+        let got = exec
+            .block_on(|| {
+                let chan = Channel::<u32>::new();
+                interrupt_after(Duration::from_millis(10), || {
+                    interrupt_after(Duration::from_secs(3600), || {
+                        interrupt_after(Duration::from_millis(5), || dawdle(Duration::from_millis(40)));
+                    });
+                    wait(&chan)
+                })
+            })
+            .unwrap();
+        assert_eq!(got, Err(Interrupted), "the outermost deadline had passed");
+
+        stage.set("after the call returns, waits are not interrupted");
+        let chan = std::sync::Arc::new(Channel::<u32>::new());
+        let first = Flag::new();
+        let (c, f) = (std::sync::Arc::clone(&chan), first.clone());
+        let h = exec.spawn(move || {
+            let timed = interrupt_after(Duration::from_millis(5), || wait(&c));
+            f.set();
+            (timed, wait(&c))
+        });
+        wait_for(&stage, "the wait after the call", || first.is_set() && chan.receivers() == 1);
+        chan.push(Msg::new(7));
+        assert_eq!(h.join().unwrap(), (Err(Interrupted), Ok(7)));
+    });
+}
