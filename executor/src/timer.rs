@@ -109,15 +109,7 @@ impl Timers {
             let (generation, task) = match entry {
                 Entry::Sleep { generation, task } => (generation, task),
                 Entry::Interrupt(slot, task) => {
-                    // Under the slot's lock: `interrupt_after`'s end waits
-                    // for it, so no interrupt arrives after it returned.
-                    let mut w = slot.lock();
-                    if let Some(w) = w.take() {
-                        task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
-                        w.interrupt();
-                        fired += 1;
-                    }
-                    drop(w);
+                    fired += usize::from(fire_interrupt(&slot, &task));
                     // Not the task's last reference: its fiber, which
                     // holds its own until it returns, is in `f` still.
                     drop(task);
@@ -166,12 +158,21 @@ impl Timers {
                 // Out of its interruptible wait, to its next cancellation
                 // point.
                 Entry::Interrupt(slot, task) => {
-                    if let Some(w) = slot.lock().take() {
-                        task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
-                        w.interrupt();
-                    }
+                    fire_interrupt(&slot, &task);
                 }
             }
         }
     }
+}
+
+/// Fires an `interrupt_after` deadline that is still armed: counts it as
+/// fired in the task and interrupts the fiber, under the slot's lock
+/// (`interrupt_after`'s end waits for it, so no interrupt arrives after it
+/// returned). Whether it was still armed.
+fn fire_interrupt(slot: &InterruptSlot, task: &TaskRef) -> bool {
+    let mut waiter = slot.lock();
+    let Some(w) = waiter.take() else { return false };
+    task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
+    w.interrupt();
+    true
 }
