@@ -606,7 +606,8 @@ impl<T: Send> JoinHandle<T> {
     /// Asks the fiber to stop: a job not started yet never runs (its
     /// closure is dropped); a started fiber unwinds (destructors run) at its
     /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
-    /// `yield_timeout`, `join`, or `yield_if_needed` when it yields), and
+    /// `yield_timeout`, `interrupt_after`, `join`, or `yield_if_needed` when
+    /// it yields), and
     /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
     /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once. One
     /// blocked in `join` on another fiber waits until that fiber completes,

@@ -19,7 +19,8 @@
 //!
 //! * Workers: base = available cores (or `SPINDLE_WORKERS`, or the
 //!   builder), growing by 50% up to twice the cores when sysmon sees a
-//!   worker stuck while work is pending; extra workers retire when idle.
+//!   worker stuck while jobs another worker could take are queued; extra
+//!   workers retire when idle.
 //! * Queues: per worker a stealable queue of fresh (not yet started) jobs
 //!   and an inbox for woken fibers; one global queue. Spawns from outside
 //!   the executor go round-robin across workers, a spawn from one of its
@@ -33,14 +34,18 @@
 //!   cannot move `!Send` stack values between threads); load balances by
 //!   stealing jobs before they start. See DESIGN.md.
 //!
-//! Set `SPINDLE_STATS=1` to print counters at shutdown.
+//! Set `SPINDLE_STATS=1` to print counters at shutdown. The `tracing`
+//! feature (off by default) emits `tracing` trace events when a worker
+//! parks, is unparked, steals or retires, when the pool scales up, and when
+//! sysmon flags a time slice overrun.
 //!
 //! # Cancellation
 //!
 //! [`JoinHandle::cancel`] and shutdown are requests: the fiber unwinds at
 //! its next cancellation point, which is any of this crate's
 //! [`yield_now`], [`yield_if_needed`] (when it yields), [`sleep`],
-//! [`sleep_until`], [`yield_timeout`] and [`JoinHandle::join`]. The unwind
+//! [`sleep_until`], [`yield_timeout`], [`interrupt_after`] and
+//! [`JoinHandle::join`]. The unwind
 //! is a panic with a private payload (`std::panic::resume_unwind`, so no
 //! panic message): destructors run, and the join reports
 //! [`JoinError::Cancelled`]. A `catch_unwind` in the fiber catches it too;

@@ -17,7 +17,7 @@
 //! # Parking protocol
 //!
 //! Worker (going idle), after finding nothing anywhere:
-//! 1. `parked = true` (SeqCst);
+//! 1. `parked = true` (SeqCst), then a SeqCst fence;
 //! 2. look at every queue it could take work from again (own inbox and fresh
 //!    queues, the global queue, other workers' fresh queues);
 //! 3. if anything is there, `parked = false` and go back to work;

@@ -2,10 +2,12 @@
 //! pool up when a worker is stuck while work is pending, flags fibers that
 //! overran their time slice, and detects deadlocks.
 //!
-//! Every `sysmon_interval` (250 µs by default) while anything is going on;
-//! when every worker is parked and no timer is pending it sleeps longer
-//! (until woken by a timer registration, a thread blocking in a join or a
-//! scope, or shutdown).
+//! It naps between rounds (`next_nap`): `sysmon_interval` (250 µs by
+//! default) while jobs are queued and the pool can still grow; while
+//! workers run but nothing waits, at most 5 ms, or half a time slice once
+//! the pool is at its maximum; when every worker is parked, 10 ms, unless
+//! woken sooner by a timer registration, a thread blocking in a join or a
+//! scope, or shutdown.
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;

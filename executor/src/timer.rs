@@ -1,4 +1,6 @@
-//! Timers for `sleep` and `yield_timeout`, fired by the sysmon thread.
+//! Timers for `sleep`, `sleep_until` and `yield_timeout` (which wake) and
+//! for `interrupt_after` deadlines (which interrupt), fired by the sysmon
+//! thread.
 
 use std::collections::BTreeMap;
 use std::time::Instant;

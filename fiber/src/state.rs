@@ -44,7 +44,8 @@ pub enum FiberState {
     Sleeping = 5,
     /// Its function returned or panicked; a new function may be set.
     Finished = 6,
-    /// Briefly held exclusively by `set_function` or a waker.
+    /// Briefly held exclusively by `set_function`, `mark_queued`,
+    /// `set_home`, or whoever finishes a wake.
     Locked = 7,
 }
 

@@ -13,7 +13,7 @@
 //! 2. put a [`WaitNode`] on its own stack, holding a [`Waiter`] for the
 //!    fiber (or the thread handle), and link it at the tail of the list;
 //! 3. unlock;
-//! 4. a fiber calls [`spindle_fiber::sleep`]; its runner then moves it
+//! 4. a fiber calls [`spindle_fiber::sleep_on`]; its runner then moves it
 //!    `Running` → `Sleeping`, or, if a waker already came, finishes the
 //!    wake itself; a thread parks until the node's `done` flag is set;
 //! 5. once resumed, read the value the waker left in the node.
