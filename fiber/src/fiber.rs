@@ -535,11 +535,22 @@ impl<T: Send + 'static> Fiber<T> {
         F: FnOnce() -> T + Send + 'static,
     {
         let h = self.header();
-        let claimed = [FiberState::Empty, FiberState::Finished, FiberState::Ready]
-            .into_iter()
-            .find(|&s| h.state.transition(s, FiberState::Locked).is_ok());
-        let Some(from) = claimed else {
-            return Err(self.busy_error(h.state.load()));
+        // Claim from whichever of the three states the fiber is in, retrying
+        // with what a failed compare-and-swap found: the state may move
+        // between them meanwhile (a run queue's pop and push, a run that
+        // finishes on another thread), and an error judged from a second,
+        // later load could name a state the fiber was never in for us.
+        let mut seen = h.state.load();
+        let from = loop {
+            match seen {
+                FiberState::Empty | FiberState::Finished | FiberState::Ready => {
+                    match h.state.transition(seen, FiberState::Locked) {
+                        Ok(()) => break seen,
+                        Err(found) => seen = found,
+                    }
+                }
+                busy => return Err(self.busy_error(busy)),
+            }
         };
         // SAFETY: we hold the state `Locked`.
         let slot = unsafe { self.slot() };

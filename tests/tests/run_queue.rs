@@ -706,3 +706,50 @@ fn mark_queued_and_set_home_hand_back_the_home_they_replace() {
         }
     }
 }
+
+/// `set_function` on a fiber whose function never started, while another
+/// thread pops it from a queue and pushes it back over and over: the
+/// fiber is only ever `Ready`, `Locked` or `Queued` there, so the answer is
+/// `Ok`, `Queued` or `Running` (locked by the push), never `Busy` ("suspended
+/// in the middle of its function"), which a claim that judged a failed
+/// attempt by a second, later load of the state could return.
+#[test]
+fn set_function_racing_a_queue_never_calls_an_unstarted_fiber_busy() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    watchdog("set_function_racing_a_queue_never_calls_an_unstarted_fiber_busy", 60, |stage| {
+        let f = fiber(Priority::NORMAL, || 1u32);
+        let queue = RunQueue::new(4);
+        queue.try_push(f.clone()).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let popper = {
+            let (queue, stop) = (queue.clone(), stop.clone());
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(mut f) = queue.try_pop() {
+                        // Refused while `set_function` holds the fiber: retry.
+                        while let Err(e) = queue.try_push(f) {
+                            f = e.into_fiber();
+                        }
+                    }
+                }
+            })
+        };
+        stage.set("racing");
+        let (mut ok, mut queued) = (0u64, 0u64);
+        for i in 0..200_000u64 {
+            match f.set_function(Priority::NORMAL, || 2) {
+                Ok(()) => ok += 1,
+                Err(FiberError::Queued(_) | FiberError::Running(_)) => queued += 1,
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    popper.join().unwrap();
+                    panic!("attempt {i}: set_function on a fiber that never started returned {e:?} ({e})");
+                }
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        popper.join().unwrap();
+        assert!(ok > 0 && queued > 0, "the two threads did not meet: {ok} Ok, {queued} Queued/Running");
+    });
+}
