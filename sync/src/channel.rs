@@ -263,9 +263,18 @@ impl RawChannel {
         synced.pushes += 1;
         // SAFETY: as above; the channel owns the header from here.
         unsafe { msg.as_ref().seq.store(synced.pushes, Ordering::Relaxed) };
-        if let Some(wakeup) = synced.receivers.pop_front(msg.as_ptr().cast()) {
+        if !synced.receivers.is_empty() {
+            // Marked before the hand-over, never after: once `pop_front`
+            // publishes the node's `done`, the receiver may return at once
+            // (a thread checks `done` without the lock), mark the header
+            // unqueued and push it elsewhere, so the header is not ours to
+            // write any more. `done`'s Release orders this store before the
+            // receiver's.
             // SAFETY: as above; the receiver's `pop` marks it unqueued.
             unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
+            let wakeup = synced.receivers.pop_front(msg.as_ptr().cast()).expect("a receiver is waiting");
+            #[cfg(test)]
+            tests::after_handoff();
             drop(synced);
             wakeup.wake();
             return;
@@ -618,5 +627,97 @@ impl<T> Drop for Channel<T> {
         while let Some(m) = self.try_pop() {
             drop(m);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::ptr::{self, NonNull};
+    use std::sync::atomic::Ordering;
+    use std::sync::{mpsc, Arc};
+    use std::thread;
+    use std::time::{Duration, Instant};
+
+    use super::{MsgHeader, RawChannel};
+
+    thread_local! {
+        /// Run by `push` on this thread right after it handed a message to
+        /// a waiting receiver, with the channel's lock still held.
+        static AFTER_HANDOFF: RefCell<Option<Box<dyn FnMut()>>> = const { RefCell::new(None) };
+    }
+
+    pub(super) fn after_handoff() {
+        AFTER_HANDOFF.with(|hook| {
+            if let Some(f) = hook.borrow_mut().as_mut() {
+                f()
+            }
+        });
+    }
+
+    /// A receiver owns a handed message as soon as its wait ends, and may
+    /// push it onto another channel at once: the pusher, stalled right
+    /// after the hand-over, must write nothing to the header afterwards
+    /// (a late "handed" mark used to overwrite the link of the other
+    /// channel's queue).
+    #[test]
+    fn a_receiver_may_push_a_handed_message_elsewhere_at_once() {
+        let a = Arc::new(RawChannel::new());
+        let b = Arc::new(RawChannel::new());
+        let msg = NonNull::from(Box::leak(Box::new(MsgHeader::new(ptr::null_mut(), 0))));
+        let (done_tx, done_rx) = mpsc::channel();
+        let receiver = {
+            let (a, b) = (a.clone(), b.clone());
+            // The pointer crosses as an address: the message is the
+            // receiver's once popped.
+            thread::spawn(move || {
+                let h = a.pop();
+                // SAFETY: popped, so ours; it stays valid until the test
+                // frees it after both channels are done with it.
+                unsafe { b.push(h) };
+                done_tx.send(()).unwrap();
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while a.receivers() == 0 {
+            assert!(Instant::now() < deadline, "the receiver never waited on the channel");
+            thread::yield_now();
+        }
+        let receiver_thread = receiver.thread().clone();
+        AFTER_HANDOFF.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                // The wakeup comes after this hook; unparks of our own
+                // (allowed at any time) let the receiver see `done` now.
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    receiver_thread.unpark();
+                    match done_rx.recv_timeout(Duration::from_millis(1)) {
+                        Ok(()) => return,
+                        Err(_) => assert!(
+                            Instant::now() < deadline,
+                            "the receiver did not return from pop while the pusher was stalled after the \
+                             hand-over"
+                        ),
+                    }
+                }
+            }))
+        });
+        // SAFETY: a fresh header, valid until freed below.
+        unsafe { a.push(msg) };
+        AFTER_HANDOFF.with(|hook| hook.borrow_mut().take());
+        receiver.join().unwrap();
+        // SAFETY: the header is alive; its link is atomic.
+        let link = unsafe { msg.as_ref().next.load(Ordering::Relaxed) };
+        if !link.is_null() {
+            // `b`'s queue now ends in that link: its drop would follow it.
+            std::mem::forget(b);
+            panic!(
+                "push wrote to the header after handing it over: its link on the other channel is {link:p}"
+            );
+        }
+        assert_eq!(b.try_pop(), Some(msg));
+        assert!(b.try_pop().is_none() && a.try_pop().is_none());
+        // SAFETY: popped from both channels: ours again, made by Box::leak.
+        drop(unsafe { Box::from_raw(msg.as_ptr()) });
     }
 }
