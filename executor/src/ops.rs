@@ -271,12 +271,13 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     // otherwise spin once cancelled (its waits are interrupted at once).
     check_cancel();
     let task = task_head(raw);
-    let slot: crate::timer::InterruptSlot =
-        std::sync::Arc::new(parking_lot::Mutex::new(spindle_fiber::Waiter::current()));
-    let shared = &w.shared;
     // SAFETY: the fiber's sched word holds the reference (see task_head).
     let task_ref = unsafe { TaskRef::clone_raw(raw) };
-    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone(), task_ref);
+    let slot: crate::timer::InterruptSlot = std::sync::Arc::new(parking_lot::Mutex::new(
+        spindle_fiber::Waiter::current().map(|waiter| (waiter, task_ref)),
+    ));
+    let shared = &w.shared;
+    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone());
     shared.sysmon_unparker.unpark();
 
     /// Disarms the deadline when `f` returns or unwinds.

@@ -13,18 +13,24 @@ use spindle_fiber::Waiter;
 
 use crate::task::TaskRef;
 
-/// The waiter an `interrupt_after` deadline interrupts, taken by whichever
-/// comes first: the timer (which interrupts it while holding this lock) or
-/// the end of `interrupt_after` (which then knows no interrupt is in
-/// flight).
-pub(crate) type InterruptSlot = Arc<Mutex<Option<Waiter>>>;
+/// The waiter an `interrupt_after` deadline interrupts and its task, taken
+/// by whichever comes first: the timer (which interrupts the fiber and
+/// drops both while holding this lock) or the end of `interrupt_after`
+/// (which then knows no interrupt is in flight).
+///
+/// The task reference lives here, not in the timer's entry: an entry that
+/// sysmon took out of the map just as the call ended would otherwise hold
+/// the task's last reference once the task finished, and drop its unjoined
+/// value on the sysmon thread. Under the lock, the fiber is still inside
+/// the call, so the timer's references are never the last.
+pub(crate) type InterruptSlot = Arc<Mutex<Option<(Waiter, TaskRef)>>>;
 
 enum Entry {
     /// Ends a `sleep`/`yield_timeout` of the task.
     Sleep { generation: u64, task: TaskRef },
     /// Interrupts a fiber (`interrupt_after`) and counts the deadline as
     /// fired in its task.
-    Interrupt(InterruptSlot, TaskRef),
+    Interrupt(InterruptSlot),
 }
 
 /// Where a timer sits: its deadline, then the order timers were added.
@@ -62,8 +68,8 @@ impl Timers {
     }
 
     /// A deadline that interrupts the fiber whose waiter is in `slot`.
-    pub(crate) fn add_interrupt(&self, deadline: Instant, slot: InterruptSlot, task: TaskRef) -> TimerKey {
-        self.insert(deadline, Entry::Interrupt(slot, task))
+    pub(crate) fn add_interrupt(&self, deadline: Instant, slot: InterruptSlot) -> TimerKey {
+        self.insert(deadline, Entry::Interrupt(slot))
     }
 
     fn insert(&self, deadline: Instant, entry: Entry) -> TimerKey {
@@ -110,11 +116,10 @@ impl Timers {
             let _firing = Firing(&self.firing);
             let (generation, task) = match entry {
                 Entry::Sleep { generation, task } => (generation, task),
-                Entry::Interrupt(slot, task) => {
-                    fired += usize::from(fire_interrupt(&slot, &task));
-                    // Not the task's last reference: its fiber, which
-                    // holds its own until it returns, is in `f` still.
-                    drop(task);
+                Entry::Interrupt(slot) => {
+                    #[cfg(test)]
+                    tests::interrupt_entry_taken();
+                    fired += usize::from(fire_interrupt(&slot));
                     continue;
                 }
             };
@@ -159,8 +164,8 @@ impl Timers {
                 }
                 // Out of its interruptible wait, to its next cancellation
                 // point.
-                Entry::Interrupt(slot, task) => {
-                    fire_interrupt(&slot, &task);
+                Entry::Interrupt(slot) => {
+                    fire_interrupt(&slot);
                 }
             }
         }
@@ -171,10 +176,84 @@ impl Timers {
 /// fired in the task and interrupts the fiber, under the slot's lock
 /// (`interrupt_after`'s end waits for it, so no interrupt arrives after it
 /// returned). Whether it was still armed.
-fn fire_interrupt(slot: &InterruptSlot, task: &TaskRef) -> bool {
-    let mut waiter = slot.lock();
-    let Some(w) = waiter.take() else { return false };
+fn fire_interrupt(slot: &InterruptSlot) -> bool {
+    let mut armed = slot.lock();
+    let Some((waiter, task)) = armed.take() else { return false };
     task.fired_deadlines.fetch_add(1, Ordering::SeqCst);
-    w.interrupt();
+    // Both references go under the lock (`interrupt` consumes the waiter):
+    // the fiber cannot leave `interrupt_after` meanwhile, so neither is its
+    // last (see `InterruptSlot`).
+    waiter.interrupt();
+    drop(task);
+    drop(armed);
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+    use std::time::Duration;
+
+    use crate::{interrupt_after, spawn, yield_now, Executor};
+
+    type Hook = Box<dyn FnMut() + Send>;
+
+    /// Run by `fire_due` on the sysmon thread right after it took an
+    /// `interrupt_after` entry out of the map, before it fires it.
+    static INTERRUPT_ENTRY_TAKEN: Mutex<Option<Hook>> = Mutex::new(None);
+
+    pub(super) fn interrupt_entry_taken() {
+        if let Some(hook) = INTERRUPT_ENTRY_TAKEN.lock().unwrap().as_mut() {
+            hook();
+        }
+    }
+
+    /// An `interrupt_after` deadline that sysmon takes out of the map just
+    /// as its call ends (the call takes the waiter first, so the deadline
+    /// does not fire) holds no reference to the task: the task's unjoined
+    /// value is dropped where the task ends, on its worker, not on sysmon
+    /// after the fiber is gone. (Sysmon is stalled here between taking the
+    /// entry and firing it, until the task has ended and a job queued
+    /// behind it has run.)
+    #[test]
+    fn a_deadline_taken_as_its_call_ends_does_not_drop_the_value_on_sysmon() {
+        struct RecordsDropThread(mpsc::Sender<String>);
+        impl Drop for RecordsDropThread {
+            fn drop(&mut self) {
+                let name = std::thread::current().name().unwrap_or("?").to_owned();
+                let _ = self.0.send(name);
+            }
+        }
+
+        let exec = Executor::builder().workers(1).build();
+        let taken = Arc::new(AtomicBool::new(false));
+        let (after_tx, after_rx) = mpsc::channel::<()>();
+        let after_rx = Mutex::new(after_rx);
+        {
+            let taken = Arc::clone(&taken);
+            *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
+                taken.store(true, Ordering::SeqCst);
+                after_rx
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("the task and the job behind it did not run while sysmon was stalled");
+            }));
+        }
+        let (drop_tx, drop_rx) = mpsc::channel();
+        drop(exec.spawn(move || {
+            interrupt_after(Duration::from_millis(1), || {
+                while !taken.load(Ordering::SeqCst) {
+                    yield_now();
+                }
+            });
+            // Runs once this task has ended (one worker, no yield before).
+            drop(spawn(move || after_tx.send(()).unwrap()));
+            RecordsDropThread(drop_tx)
+        }));
+        let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
+        *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = None;
+        assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
+    }
 }
