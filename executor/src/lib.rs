@@ -97,12 +97,31 @@
 //! assert_sync::<spindle_executor::JoinHandle<String>>();
 //! ```
 //!
-//! Spawned closures and their values must be `Send`:
+//! Spawned closures and their values must be `Send`, and borrow nothing
+//! (use [`Executor::scope`] to borrow):
 //!
 //! ```compile_fail,E0277
 //! let exec = spindle_executor::Executor::builder().workers(1).build();
 //! let rc = std::rc::Rc::new(1);
 //! exec.spawn(move || *rc);
+//! ```
+//!
+//! ```compile_fail,E0277
+//! let exec = spindle_executor::Executor::builder().workers(1).build();
+//! let _ = exec.spawn(|| std::rc::Rc::new(1));
+//! ```
+//!
+//! ```compile_fail,E0373
+//! let exec = spindle_executor::Executor::builder().workers(1).build();
+//! let v = vec![1];
+//! let _ = exec.spawn(|| v.len());
+//! ```
+//!
+//! A join handle of a `!Send` value is not `Send` either:
+//!
+//! ```compile_fail,E0277
+//! fn assert_send<T: Send>() {}
+//! assert_send::<spindle_executor::JoinHandle<std::rc::Rc<u8>>>();
 //! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -31,6 +31,52 @@ use crate::task::{JoinError, TaskCell};
 /// });
 /// assert_eq!(total, 10);
 /// ```
+///
+/// A scoped fiber may run on any worker: what it captures and returns must
+/// be `Send`, as with `spawn`:
+///
+/// ```compile_fail,E0277
+/// let exec = spindle_executor::Executor::builder().workers(1).build();
+/// let c = std::cell::Cell::new(0);
+/// exec.scope(|s| {
+///     s.spawn(|| c.set(1));
+/// });
+/// ```
+///
+/// ```compile_fail,E0277
+/// let exec = spindle_executor::Executor::builder().workers(1).build();
+/// exec.scope(|s| {
+///     let _ = s.spawn(|| std::rc::Rc::new(1)).join();
+/// });
+/// ```
+///
+/// It may borrow what outlives the scope, not the scope body's own locals
+/// (the body returns before the fibers are joined):
+///
+/// ```compile_fail,E0373
+/// let exec = spindle_executor::Executor::builder().workers(1).build();
+/// exec.scope(|s| {
+///     let local = vec![1u8];
+///     s.spawn(|| local.len());
+/// });
+/// ```
+///
+/// And its join handle cannot leave the scope, by return or otherwise:
+///
+/// ```compile_fail
+/// let exec = spindle_executor::Executor::builder().workers(1).build();
+/// let data = vec![1u8];
+/// let handle = exec.scope(|s| s.spawn(|| data.len()));
+/// ```
+///
+/// ```compile_fail,E0521
+/// let exec = spindle_executor::Executor::builder().workers(1).build();
+/// let data = vec![1u8];
+/// let mut out = Vec::new();
+/// exec.scope(|s| {
+///     out.push(s.spawn(|| data.len()));
+/// });
+/// ```
 pub struct Scope<'scope, 'env: 'scope> {
     handle: Handle,
     state: Arc<ScopeState>,

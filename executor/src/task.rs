@@ -45,7 +45,15 @@ impl PanicPayload {
             .or_else(|| self.downcast_ref::<String>().map(String::as_str))
     }
 
-    /// The payload as a `T`, if it is one.
+    /// The payload as a `T`, if it is one. `T` must be `Sync`: a
+    /// `PanicPayload` is shared between threads, and a `&T` of a `!Sync`
+    /// payload reached from two of them would be a data race:
+    ///
+    /// ```compile_fail,E0277
+    /// fn peek(p: &spindle_executor::PanicPayload) {
+    ///     let _ = p.downcast_ref::<std::cell::Cell<u8>>();
+    /// }
+    /// ```
     pub fn downcast_ref<T: Any + Sync>(&self) -> Option<&T> {
         self.0.downcast_ref::<T>()
     }

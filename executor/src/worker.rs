@@ -94,9 +94,18 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         outside_in_local: [0; CLASSES],
     };
     CURRENT.with(|c| c.set(&*w.ctx));
+    // Declared after `w`, so dropped before it, on an unwind too: no
+    // later thread-local destructor on this thread can reach a freed
+    // context through `Handle::current` or `spawn`.
+    struct ClearCurrent;
+    impl Drop for ClearCurrent {
+        fn drop(&mut self) {
+            CURRENT.with(|c| c.set(std::ptr::null()));
+        }
+    }
+    let _clear = ClearCurrent;
     w.main_loop(&parker);
     w.drain();
-    CURRENT.with(|c| c.set(std::ptr::null()));
 }
 
 enum Next {

@@ -218,6 +218,27 @@ impl<T> RunOutcome<T> {
 /// remembers the scheduler it was last queued on (see
 /// [`Fiber::mark_queued`]); when a synchronisation primitive wakes it, it
 /// hands itself to that scheduler.
+///
+/// A scheduler is `Send + Sync + 'static`: fibers keep it as their home
+/// and wakes call it from any thread, long after whoever queued them:
+///
+/// ```compile_fail,E0277
+/// use spindle_fiber::{Fiber, Schedule};
+///
+/// struct NotSync(std::cell::Cell<u8>);
+/// impl Schedule<()> for NotSync {
+///     fn schedule(&self, _fiber: Fiber<()>) {}
+/// }
+/// ```
+///
+/// ```compile_fail,E0477
+/// use spindle_fiber::{Fiber, Schedule};
+///
+/// struct Borrowing<'a>(&'a u8);
+/// impl<'a> Schedule<()> for Borrowing<'a> {
+///     fn schedule(&self, _fiber: Fiber<()>) {}
+/// }
+/// ```
 pub trait Schedule<T>: Send + Sync + 'static {
     /// Takes a woken fiber, already in state [`FiberState::Queued`], and
     /// makes it runnable. Called from whatever thread woke the fiber: must
@@ -340,6 +361,22 @@ impl<T> Inner<T> {
 /// ```compile_fail,E0277
 /// fn assert_send<T: Send>() {}
 /// assert_send::<spindle_fiber::Fiber<std::rc::Rc<u8>>>();
+/// ```
+///
+/// The value a function returns must be `Send` too (the fiber may be run,
+/// and its value taken, on another thread than the one that made it), and
+/// a function borrows nothing (`'static`: the fiber outlives the frame
+/// that set it):
+///
+/// ```compile_fail,E0277
+/// let f = spindle_fiber::Fiber::new(Default::default()).unwrap();
+/// f.set_function(Default::default(), || std::rc::Rc::new(1)).unwrap();
+/// ```
+///
+/// ```compile_fail,E0373
+/// let v = vec![1];
+/// let f = spindle_fiber::Fiber::new(Default::default()).unwrap();
+/// f.set_function(Default::default(), || v.len()).unwrap();
 /// ```
 ///
 /// ```compile_fail,E0277

@@ -66,6 +66,11 @@
 //! fn assert_send<T: Send>() {}
 //! assert_send::<spindle_run_queue::RunQueue<std::rc::Rc<u8>>>();
 //! ```
+//!
+//! ```compile_fail,E0277
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<spindle_run_queue::RunQueue<std::rc::Rc<u8>>>();
+//! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

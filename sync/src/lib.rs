@@ -90,7 +90,19 @@
 //!
 //! ```compile_fail,E0277
 //! fn assert_send<T: Send>() {}
+//! assert_send::<spindle_sync::Channel<std::rc::Rc<u8>>>();
+//! ```
+//!
+//! ```compile_fail,E0277
+//! fn assert_send<T: Send>() {}
 //! assert_send::<spindle_sync::Msg<std::rc::Rc<u8>>>();
+//! ```
+//!
+//! A `Msg<T>` is `Sync` only for `T: Sync` (a `&Msg<T>` gives out `&T`):
+//!
+//! ```compile_fail,E0277
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<spindle_sync::Msg<std::cell::Cell<u8>>>();
 //! ```
 //!
 //! A channel is invariant in its message type: a channel of `'static`
