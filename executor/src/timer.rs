@@ -36,21 +36,33 @@ enum Entry {
 /// Where a timer sits: its deadline, then the order timers were added.
 pub(crate) type TimerKey = (Instant, u64);
 
-/// Lowers `Timers::firing` when dropped: after the wake, or if it unwinds
-/// (a count left raised would hold shutdown's quiescence check forever).
-struct Firing<'a>(&'a AtomicUsize);
+/// Ends the firing of one timer when dropped: after the wake, or if it
+/// unwinds. Lowers `Timers::firing` (a count left raised would hold
+/// shutdown's quiescence check forever) and clears the map's record of the
+/// key being fired (a `remove` of that key waits for it).
+struct Firing<'a>(&'a Timers);
 
 impl Drop for Firing<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.map.lock().in_flight = None;
+        self.0.firing.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// The map's lock-guarded state.
+struct Map {
+    timers: BTreeMap<TimerKey, Entry>,
+    /// The next timer's sequence number.
+    next: u64,
+    /// The key of the timer `fire_due` took out and is firing now.
+    in_flight: Option<TimerKey>,
 }
 
 /// Deadlines, each for a task sleeping in its sleep slot. A sleep that ends
 /// before its deadline (a wake, a cancel) removes its timer, so that the
 /// timer neither keeps the task alive nor counts as pending.
 pub(crate) struct Timers {
-    map: Mutex<(BTreeMap<TimerKey, Entry>, u64)>,
+    map: Mutex<Map>,
     /// Timers taken out of the map by `fire_due` whose wake is not done
     /// yet: raised under the map's lock with the removal, lowered after
     /// the wake, so a timer is always in the map or counted here until its
@@ -60,7 +72,10 @@ pub(crate) struct Timers {
 
 impl Timers {
     pub(crate) fn new() -> Timers {
-        Timers { map: Mutex::new((BTreeMap::new(), 0)), firing: AtomicUsize::new(0) }
+        Timers {
+            map: Mutex::new(Map { timers: BTreeMap::new(), next: 0, in_flight: None }),
+            firing: AtomicUsize::new(0),
+        }
     }
 
     pub(crate) fn add(&self, deadline: Instant, generation: u64, task: TaskRef) -> TimerKey {
@@ -74,27 +89,47 @@ impl Timers {
 
     fn insert(&self, deadline: Instant, entry: Entry) -> TimerKey {
         let mut m = self.map.lock();
-        let key = (deadline, m.1);
-        m.1 += 1;
-        m.0.insert(key, entry);
+        let key = (deadline, m.next);
+        m.next += 1;
+        m.timers.insert(key, entry);
         key
     }
 
     /// Removes a timer whose sleep ended before it fired (if it is still
     /// there). The task reference is dropped after the lock is released.
+    ///
+    /// If sysmon took the timer out to fire it just as the sleep ended some
+    /// other way, waits until that firing is over: the firing's task
+    /// reference is then gone while the caller's fiber still holds its
+    /// own, so the firing never drops the task's last reference (and with
+    /// it an unjoined value, on sysmon). The wait is the few instructions
+    /// of one firing, unless sysmon is descheduled meanwhile.
     pub(crate) fn remove(&self, key: TimerKey) {
-        let entry = self.map.lock().0.remove(&key);
-        drop(entry);
+        loop {
+            let mut m = self.map.lock();
+            if let Some(entry) = m.timers.remove(&key) {
+                drop(m);
+                drop(entry);
+                return;
+            }
+            if m.in_flight != Some(key) {
+                return;
+            }
+            drop(m);
+            #[cfg(test)]
+            tests::remove_waited();
+            std::thread::yield_now();
+        }
     }
 
     /// No timer pending, and none being fired.
     pub(crate) fn is_empty(&self) -> bool {
         let m = self.map.lock();
-        m.0.is_empty() && self.firing.load(Ordering::SeqCst) == 0
+        m.timers.is_empty() && self.firing.load(Ordering::SeqCst) == 0
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.map.lock().0.first_key_value().map(|(k, _)| k.0)
+        self.map.lock().timers.first_key_value().map(|(k, _)| k.0)
     }
 
     /// Wakes every task whose deadline passed (taking its sleep waiter, so a
@@ -104,18 +139,24 @@ impl Timers {
         loop {
             let entry = {
                 let mut m = self.map.lock();
-                match m.0.first_entry() {
+                match m.timers.first_entry() {
                     Some(e) if e.key().0 <= now => {
                         self.firing.fetch_add(1, Ordering::SeqCst);
-                        Some(e.remove())
+                        let (key, entry) = e.remove_entry();
+                        m.in_flight = Some(key);
+                        Some(entry)
                     }
                     _ => None,
                 }
             };
             let Some(entry) = entry else { return fired };
-            let _firing = Firing(&self.firing);
+            let _firing = Firing(self);
             let (generation, task) = match entry {
-                Entry::Sleep { generation, task } => (generation, task),
+                Entry::Sleep { generation, task } => {
+                    #[cfg(test)]
+                    tests::sleep_entry_taken();
+                    (generation, task)
+                }
                 Entry::Interrupt(slot) => {
                     #[cfg(test)]
                     tests::interrupt_entry_taken();
@@ -137,8 +178,9 @@ impl Timers {
             // one is not the last. Dropped after the wake, it often was (the
             // woken fiber finished first), and the task's value, with
             // whatever its `Drop` does, was dropped on this thread (sysmon).
-            // (A stale entry, whose sleep something else ended, can still
-            // be the last if its fiber finished meanwhile: rare.)
+            // A stale entry, whose sleep something else ended, is not the
+            // last either: that fiber's `remove` of this key waits until
+            // `_firing` is dropped.
             drop(task);
             if let Some(w) = waiter {
                 w.wake();
@@ -151,7 +193,7 @@ impl Timers {
 
     /// Wakes every sleeper now (shutdown).
     pub(crate) fn fire_all(&self) {
-        let entries = std::mem::take(&mut self.map.lock().0);
+        let entries = std::mem::take(&mut self.map.lock().timers);
         for (_, e) in entries {
             match e {
                 Entry::Sleep { task, .. } => {
@@ -191,7 +233,7 @@ fn fire_interrupt(slot: &InterruptSlot) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{mpsc, Arc, Mutex};
     use std::time::Duration;
 
@@ -202,11 +244,87 @@ mod tests {
     /// Run by `fire_due` on the sysmon thread right after it took an
     /// `interrupt_after` entry out of the map, before it fires it.
     static INTERRUPT_ENTRY_TAKEN: Mutex<Option<Hook>> = Mutex::new(None);
+    /// The same for a sleep's entry.
+    static SLEEP_ENTRY_TAKEN: Mutex<Option<Hook>> = Mutex::new(None);
+    /// Rounds a `remove` waited for the firing of its key.
+    static REMOVE_WAITED: AtomicUsize = AtomicUsize::new(0);
 
     pub(super) fn interrupt_entry_taken() {
         if let Some(hook) = INTERRUPT_ENTRY_TAKEN.lock().unwrap().as_mut() {
             hook();
         }
+    }
+
+    pub(super) fn sleep_entry_taken() {
+        if let Some(hook) = SLEEP_ENTRY_TAKEN.lock().unwrap().as_mut() {
+            hook();
+        }
+    }
+
+    pub(super) fn remove_waited() {
+        REMOVE_WAITED.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The two tests below stall sysmon and count `remove`'s waits: one
+    /// at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// Stalls sysmon (inside a hook) until the fiber either went on and
+    /// finished (`after`: a job queued behind its task ran) or waits in its
+    /// timer's removal.
+    fn stall_until_done_or_waiting(after: &mpsc::Receiver<()>) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while after.try_recv().is_err() {
+            if REMOVE_WAITED.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the fiber neither finished nor waited");
+            std::thread::yield_now();
+        }
+    }
+
+    struct RecordsDropThread(mpsc::Sender<String>);
+    impl Drop for RecordsDropThread {
+        fn drop(&mut self) {
+            let name = std::thread::current().name().unwrap_or("?").to_owned();
+            let _ = self.0.send(name);
+        }
+    }
+
+    /// A sleep's timer that sysmon takes out of the map just as the sleep
+    /// ends another way (`JoinHandle::wake`, made here while sysmon is
+    /// stalled between taking the entry and firing it) does not hold the
+    /// task's last reference once the fiber goes on and finishes: the
+    /// fiber's removal of its timer waits for that firing, so the task's
+    /// unjoined value is dropped on its worker, not on sysmon.
+    #[test]
+    fn a_sleep_timer_taken_as_a_wake_ends_the_sleep_does_not_drop_the_value_on_sysmon() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        REMOVE_WAITED.store(0, Ordering::SeqCst);
+        let exec = Executor::builder().workers(1).build();
+        let (after_tx, after_rx) = mpsc::channel::<()>();
+        let (handle_tx, handle_rx) = mpsc::channel();
+        let handle_rx = Mutex::new(handle_rx);
+        let after_rx = Mutex::new(after_rx);
+        *SLEEP_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
+            let Ok(handle) = handle_rx.lock().unwrap().try_recv() else { return };
+            // End the sleep another way, and let go of the task.
+            crate::JoinHandle::<RecordsDropThread>::wake(&handle);
+            drop(handle);
+            stall_until_done_or_waiting(&after_rx.lock().unwrap());
+        }));
+        let (drop_tx, drop_rx) = mpsc::channel();
+        let handle = exec.spawn(move || {
+            // Never reached: the timer is taken first, and the wake ends it.
+            crate::sleep(Duration::from_millis(1));
+            // Runs once this task has ended (one worker, no yield before).
+            drop(spawn(move || after_tx.send(()).unwrap()));
+            RecordsDropThread(drop_tx)
+        });
+        handle_tx.send(handle).unwrap();
+        let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
+        *SLEEP_ENTRY_TAKEN.lock().unwrap() = None;
+        assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
     }
 
     /// An `interrupt_after` deadline that sysmon takes out of the map just
@@ -218,14 +336,8 @@ mod tests {
     /// behind it has run.)
     #[test]
     fn a_deadline_taken_as_its_call_ends_does_not_drop_the_value_on_sysmon() {
-        struct RecordsDropThread(mpsc::Sender<String>);
-        impl Drop for RecordsDropThread {
-            fn drop(&mut self) {
-                let name = std::thread::current().name().unwrap_or("?").to_owned();
-                let _ = self.0.send(name);
-            }
-        }
-
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        REMOVE_WAITED.store(0, Ordering::SeqCst);
         let exec = Executor::builder().workers(1).build();
         let taken = Arc::new(AtomicBool::new(false));
         let (after_tx, after_rx) = mpsc::channel::<()>();
@@ -234,11 +346,7 @@ mod tests {
             let taken = Arc::clone(&taken);
             *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
                 taken.store(true, Ordering::SeqCst);
-                after_rx
-                    .lock()
-                    .unwrap()
-                    .recv_timeout(Duration::from_secs(30))
-                    .expect("the task and the job behind it did not run while sysmon was stalled");
+                stall_until_done_or_waiting(&after_rx.lock().unwrap());
             }));
         }
         let (drop_tx, drop_rx) = mpsc::channel();
