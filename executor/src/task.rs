@@ -323,8 +323,21 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
         // SAFETY: as in run_job.
         let job = unsafe { (*cell.job.get()).take() };
         // On a worker thread, outside any fiber: a panicking destructor of
-        // the closure's captures must not take the worker down.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(job)));
+        // the closure's captures must not take the worker down, nor may
+        // the drop of its panic's payload.
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drop(job))) {
+            drop_payload(payload);
+        }
+    }
+}
+
+/// Drops a caught panic's payload without letting a panic of its own drop
+/// (`panic_any` of a value whose `Drop` panics) escape: that second
+/// payload is leaked. A worker contains the first panic of a value's or a
+/// closure's drop this way, and must not die of the second.
+pub(crate) fn drop_payload(payload: Box<dyn Any + Send>) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
     }
 }
 
@@ -344,7 +357,13 @@ impl<T, F> Drop for TaskCell<T, F> {
             _ => None,
         };
         // Contained (see the type's docs); the panic hook has reported it.
-        let panicked = catch_unwind(AssertUnwindSafe(|| drop((result, job, error)))).is_err();
+        let panicked = match catch_unwind(AssertUnwindSafe(|| drop((result, job, error)))) {
+            Ok(()) => false,
+            Err(payload) => {
+                drop_payload(payload);
+                true
+            }
+        };
         if let Some(scope) = self.scope.take() {
             let what = match (what, panicked) {
                 (Some(w), _) => Some(w),

@@ -177,3 +177,67 @@ fn a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running() {
         drop(exec);
     });
 }
+
+/// A drop that panics with a payload whose own drop panics too
+/// (`panic_any` of a `Bomb`).
+struct DoubleBomb;
+
+impl Drop for DoubleBomb {
+    fn drop(&mut self) {
+        std::panic::panic_any(Bomb);
+    }
+}
+
+/// The same three ways of dropping user code on a worker (an unjoined
+/// value, the payload of an unjoined panic, the closure of a cancelled
+/// job), each panicking with a payload whose drop panics again: the
+/// worker contains both panics (the second payload is leaked) and runs on.
+#[test]
+fn a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running() {
+    watchdog("a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+
+        stage.set("an unjoined value");
+        let go = std::sync::Arc::new(spindle_sync::Semaphore::new(0));
+        let fiber_go = go.clone();
+        drop(exec.spawn(move || {
+            fiber_go.acquire();
+            DoubleBomb
+        }));
+        go.release(1);
+        assert_eq!(exec.block_on(|| 1).unwrap(), 1, "the worker runs on after the value's drop");
+
+        stage.set("the payload of an unjoined panic");
+        let go = std::sync::Arc::new(spindle_sync::Semaphore::new(0));
+        let fiber_go = go.clone();
+        drop(exec.spawn(move || {
+            fiber_go.acquire();
+            std::panic::panic_any(Bomb);
+        }));
+        go.release(1);
+        assert_eq!(exec.block_on(|| 2).unwrap(), 2, "the worker runs on after the payload's drop");
+
+        stage.set("the closure of a cancelled job");
+        let held = Flag::new();
+        let release = Flag::new();
+        let (fiber_held, fiber_release) = (held.clone(), release.clone());
+        let blocker = exec.spawn(move || {
+            fiber_held.set();
+            while !fiber_release.is_set() {
+                std::hint::spin_loop();
+            }
+        });
+        while !held.is_set() {
+            std::thread::yield_now();
+        }
+        let bomb = DoubleBomb;
+        let never_run = exec.spawn(move || drop(bomb));
+        never_run.cancel();
+        release.set();
+        blocker.join().unwrap();
+        assert!(never_run.join().unwrap_err().is_cancelled());
+        assert_eq!(exec.block_on(|| 3).unwrap(), 3, "the worker runs on after the closure's drop");
+        stage.set("shutdown");
+        drop(exec);
+    });
+}

@@ -1277,7 +1277,16 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // SAFETY: the same thread as `enter`.
         unsafe { exit(prev) };
         inner.header.unwinding_for_drop.store(false, Ordering::Relaxed);
-        let stack = if unwound.is_ok() && coro.done() {
+        let unwound = match unwound {
+            Ok(()) => true,
+            Err(payload) => {
+                // Code that caught the forced unwind panicked instead: this
+                // is a drop, so the panic stops here.
+                crate::report::drop_payload(payload);
+                false
+            }
+        };
+        let stack = if unwound && coro.done() {
             Some(coro.into_stack())
         } else {
             let _ = ManuallyDrop::new(coro);
@@ -1343,6 +1352,7 @@ impl<T> Drop for Inner<T> {
                         if dropping_current && !std::thread::panicking() {
                             std::panic::resume_unwind(payload);
                         }
+                        crate::report::drop_payload(payload);
                     }
                 }
             } else {

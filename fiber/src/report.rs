@@ -19,6 +19,16 @@ pub fn leaked_stacks() -> u64 {
     LEAKED.load(Ordering::Relaxed)
 }
 
+/// Drops a caught panic's payload where a panic must not escape (a drop).
+/// A payload whose own drop panics (`panic_any` of a value whose `Drop`
+/// panics) would otherwise unwind out of the code that contained the
+/// first panic; that second payload is leaked instead.
+pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
+    }
+}
+
 /// Installs (once) a panic hook that says which fiber panicked, then calls
 /// the hook that was installed before.
 pub(crate) fn install_panic_hook() {

@@ -813,3 +813,35 @@ fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {
     f.set_home(None).unwrap();
     assert!(matches!(f.run().unwrap(), RunOutcome::Returned(())));
 }
+
+/// Dropping a fiber whose unstarted closure's capture panics when dropped,
+/// with a payload that panics when dropped too, does not panic out of the
+/// drop: both panics stay inside (the closure and its stack are leaked and
+/// counted, the second payload is leaked).
+#[test]
+fn a_capture_whose_drop_panics_twice_does_not_panic_out_of_the_fibers_drop() {
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("Bomb dropped");
+        }
+    }
+    struct DoubleBomb;
+    impl Drop for DoubleBomb {
+        fn drop(&mut self) {
+            std::panic::panic_any(Bomb);
+        }
+    }
+    let _serial = leak_count_lock();
+    let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    let bomb = DoubleBomb;
+    fiber.set_function(Priority::NORMAL, move || drop(bomb)).unwrap();
+    let leaked = leaked_stacks();
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(fiber)));
+    assert!(dropped.is_ok(), "a panic escaped the fiber's drop");
+    assert_eq!(
+        leaked_stacks(),
+        leaked + 1,
+        "the closure's stack is leaked and counted"
+    );
+}
