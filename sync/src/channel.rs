@@ -622,11 +622,24 @@ impl<T> fmt::Debug for Channel<T> {
 }
 
 impl<T> Drop for Channel<T> {
-    /// Messages still queued are dropped with their values.
+    /// Messages still queued are dropped with their values. If one of
+    /// those drops panics, the rest are still dropped while the panic
+    /// unwinds (a second panic then aborts, as for a `Vec`).
     fn drop(&mut self) {
-        while let Some(m) = self.try_pop() {
+        /// Drops what is still queued when a message's drop unwinds.
+        struct Rest<'a, T>(&'a Channel<T>);
+        impl<T> Drop for Rest<'_, T> {
+            fn drop(&mut self) {
+                while let Some(m) = self.0.try_pop() {
+                    drop(m);
+                }
+            }
+        }
+        let rest = Rest(self);
+        while let Some(m) = rest.0.try_pop() {
             drop(m);
         }
+        std::mem::forget(rest);
     }
 }
 

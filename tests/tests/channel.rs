@@ -332,6 +332,33 @@ fn dropping_a_channel_drops_queued_messages() {
     assert_eq!(drops.drops(), 5);
 }
 
+/// A queued value whose drop panics does not stop the channel's drop: the
+/// values queued behind it are still dropped (while the panic unwinds),
+/// and the panic reaches whoever dropped the channel.
+#[test]
+fn a_panicking_message_drop_does_not_leak_the_rest_of_the_queue() {
+    /// A counted value whose drop panics if `panics`.
+    struct PanicsFirst {
+        _counted: Counted,
+        panics: bool,
+    }
+    impl Drop for PanicsFirst {
+        fn drop(&mut self) {
+            if self.panics {
+                panic!("this message's drop panics");
+            }
+        }
+    }
+    let drops = DropCounter::default();
+    let chan = Channel::<PanicsFirst>::new();
+    for i in 0..5 {
+        chan.push(Msg::new(PanicsFirst { _counted: drops.make(i), panics: i == 1 }));
+    }
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(chan)));
+    assert!(dropped.is_err(), "the message's panic reaches the channel's dropper");
+    assert_eq!(drops.drops(), 5, "every queued value is dropped, the ones behind the panic too");
+}
+
 /// A message's value is dropped exactly once whichever way it leaves:
 /// `into_inner`, dropping the handle, or with the channel.
 #[test]
