@@ -27,10 +27,19 @@ pub enum StackError {
         /// Largest accepted size.
         maximum: usize,
     },
-    /// The kernel is out of memory (or address space) for the mapping.
+    /// The kernel is out of memory (or address space, or mappings) for
+    /// the mapping.
+    #[non_exhaustive]
     OutOfMemory {
         /// Bytes of the mapping, guard page included.
         bytes: usize,
+        /// Fiber stacks this process had mapped when the mapping failed
+        /// (pooled ones included): near 32,000, the kernel's limit on
+        /// mappings is the likely cause.
+        mapped: usize,
+        /// The process's address-space limit in bytes (`ulimit -v`,
+        /// `RLIMIT_AS`) when the mapping failed, if it has one.
+        address_limit: Option<u64>,
     },
     /// Any other `mmap`/`mprotect` failure.
     Map {
@@ -46,7 +55,11 @@ pub enum StackError {
 impl StackError {
     pub(crate) fn from_map_error(bytes: usize, source: io::Error) -> StackError {
         match source.raw_os_error() {
-            Some(libc::ENOMEM) => StackError::OutOfMemory { bytes },
+            Some(libc::ENOMEM) => StackError::OutOfMemory {
+                bytes,
+                mapped: crate::stack::mapped_stacks(),
+                address_limit: address_limit(),
+            },
             // Not an OS error: the mapping library refused the arguments
             // without a system call, which is what EINVAL means for mmap.
             errno => StackError::Map {
@@ -65,6 +78,23 @@ impl StackError {
     }
 }
 
+/// The soft `RLIMIT_AS` of the process, if it is not unlimited.
+fn address_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
+
+/// Live fibers at which the kernel's default limit on mappings
+/// (`vm.max_map_count`, 65,530) is near: each guarded stack takes two.
+const MAP_COUNT_NEAR: usize = 30_000;
+
 impl fmt::Display for StackError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -79,14 +109,39 @@ impl fmt::Display for StackError {
                 "fiber stack size {requested} bytes is too large: at most {maximum} bytes are mapped \
                  per fiber; check the unit of the size you passed"
             ),
-            StackError::OutOfMemory { bytes } => write!(
-                f,
-                "could not map a {bytes}-byte fiber stack: out of memory (ENOMEM). Each guarded stack \
-                 uses two kernel memory mappings, so around 32,000 live fibers (counting the idle \
-                 stacks kept by stack pools) hit the default vm.max_map_count limit of 65,530: \
-                 raise it (sysctl vm.max_map_count), keep fewer fibers alive at once, or use \
-                 smaller stacks"
-            ),
+            StackError::OutOfMemory {
+                bytes,
+                mapped,
+                address_limit,
+            } => {
+                write!(
+                    f,
+                    "could not map a {bytes}-byte fiber stack: out of memory (ENOMEM), with {mapped} \
+                     fiber stacks mapped by this process. "
+                )?;
+                let map_count = "Each guarded stack uses two kernel memory mappings, so around \
+                                 32,000 live fibers (counting the idle stacks kept by stack pools) \
+                                 hit the default vm.max_map_count limit of 65,530: raise it (sysctl \
+                                 vm.max_map_count) or keep fewer fibers alive at once";
+                match address_limit {
+                    Some(limit) if *mapped < MAP_COUNT_NEAR => write!(
+                        f,
+                        "The process's address space is limited to {limit} bytes (ulimit -v, \
+                         RLIMIT_AS): raise that limit, or use smaller stacks or fewer fibers. \
+                         (Otherwise: {map_count}.)"
+                    ),
+                    Some(limit) => write!(
+                        f,
+                        "{map_count}, or use smaller stacks. (The address space is also limited, \
+                         to {limit} bytes: ulimit -v, RLIMIT_AS.)"
+                    ),
+                    None => write!(
+                        f,
+                        "{map_count}, or use smaller stacks; or the system is out of memory \
+                         (check the memory a container or cgroup may use)"
+                    ),
+                }
+            }
             StackError::Map { bytes, errno } => write!(
                 f,
                 "could not map a {bytes}-byte fiber stack: {}; check the process's memory limits \
@@ -230,8 +285,48 @@ mod tests {
         );
 
         let oom = StackError::from_map_error(8192, io::Error::from_raw_os_error(libc::ENOMEM));
-        assert_eq!(oom, StackError::OutOfMemory { bytes: 8192 });
+        assert!(
+            matches!(oom, StackError::OutOfMemory { bytes: 8192, .. }),
+            "{oom:?}"
+        );
         assert!(oom.os_error().is_none());
         assert!(oom.to_string().contains("max_map_count"), "{oom}");
+
+        // The likely cause comes first: the address-space limit while few
+        // stacks are mapped, the mappings limit near 32,000 of them.
+        let limited = StackError::OutOfMemory {
+            bytes: 8192,
+            mapped: 63,
+            address_limit: Some(1 << 30),
+        };
+        let msg = limited.to_string();
+        assert!(msg.starts_with("could not map a 8192-byte fiber stack"), "{msg}");
+        assert!(msg.contains("with 63 fiber stacks mapped"), "{msg}");
+        let (rlimit, map_count) = (
+            msg.find("RLIMIT_AS").unwrap(),
+            msg.find("vm.max_map_count").unwrap(),
+        );
+        assert!(rlimit < map_count, "the address-space limit first: {msg}");
+        let crowded = StackError::OutOfMemory {
+            bytes: 8192,
+            mapped: 32_700,
+            address_limit: Some(1 << 40),
+        };
+        let msg = crowded.to_string();
+        let (rlimit, map_count) = (
+            msg.find("RLIMIT_AS").unwrap(),
+            msg.find("vm.max_map_count").unwrap(),
+        );
+        assert!(map_count < rlimit, "the mappings limit first: {msg}");
+        let unlimited = StackError::OutOfMemory {
+            bytes: 8192,
+            mapped: 10,
+            address_limit: None,
+        };
+        let msg = unlimited.to_string();
+        assert!(
+            msg.contains("vm.max_map_count") && !msg.contains("RLIMIT_AS"),
+            "{msg}"
+        );
     }
 }

@@ -34,6 +34,15 @@ pub(crate) fn page_size() -> usize {
     *PAGE.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize })
 }
 
+/// Fiber stacks mapped now (pooled ones included), for the out-of-memory
+/// report.
+static MAPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Fiber stacks this process has mapped now.
+pub(crate) fn mapped_stacks() -> usize {
+    MAPPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A fiber stack: an anonymous mapping with a guard page below the usable
 /// region.
 ///
@@ -77,6 +86,7 @@ impl FiberStack {
         let base = map.as_ptr() as usize + page + usable;
         let guard = map.as_ptr() as usize;
         crate::overflow::note_guard(guard, guard + page);
+        MAPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(FiberStack { map, usable, base })
     }
 
@@ -130,6 +140,13 @@ unsafe impl Stack for FiberStack {
     #[inline]
     fn limit(&self) -> StackPointer {
         StackPointer::new(self.map.as_ptr() as usize).expect("mapping is never at address zero")
+    }
+}
+
+impl Drop for FiberStack {
+    fn drop(&mut self) {
+        // The mapping itself goes with `map`, right after.
+        MAPPED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -241,13 +241,15 @@ fn out_of_memory_names_the_map_count_limit() {
         assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
         let err = Fiber::<()>::new(FiberAttr::new().stack_size(512 << 20)).unwrap_err();
         let bytes = match &err {
-            FiberError::Stack(StackError::OutOfMemory { bytes }) => *bytes,
+            FiberError::Stack(StackError::OutOfMemory { bytes, .. }) => *bytes,
             other => panic!("expected Stack(OutOfMemory), got {other:?}"),
         };
         assert!(bytes > 512 << 20, "the guard page is included: {bytes}");
         let msg = err.to_string();
         for needle in [
             "out of memory (ENOMEM)",
+            "limited to",
+            "RLIMIT_AS",
             "vm.max_map_count",
             "sysctl",
             "smaller stacks",
