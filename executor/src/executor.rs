@@ -530,8 +530,10 @@ pub struct ExecutorStats {
     /// Deadlocks detected.
     pub deadlocks: u64,
     /// Times a job could not start because no fiber stack could be mapped
-    /// (the kernel's `vm.max_map_count` limit, or memory) and went back to
-    /// its queue, to start once running fibers have finished.
+    /// (the kernel's `vm.max_map_count` limit, the address-space limit, or
+    /// memory) and went back to its queue, to start once running fibers
+    /// have finished. (A job that no stack could ever fit fails its join
+    /// with [`JoinError::NoStack`] instead.)
     pub stack_waits: u64,
 }
 

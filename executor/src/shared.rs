@@ -239,6 +239,11 @@ pub(crate) struct Shared {
     pub(crate) scaling: Mutex<()>,
     /// Workers looking for work (spinning before they park).
     pub(crate) searching: CachePadded<AtomicUsize>,
+    /// Set by a worker that could not map a stack for a job: every worker
+    /// then drops the idle fibers it caches (their stacks go back to the
+    /// pool, which unmaps idle ones when a mapping fails) and caches no
+    /// more, until a job starts again.
+    pub(crate) stack_pressure: AtomicBool,
     /// Round-robin cursor for spawns.
     pub(crate) next_spawn: CachePadded<AtomicUsize>,
     /// Threads blocked in `join`/`block_on`: their tasks, for deadlock
@@ -306,6 +311,7 @@ impl Shared {
                 active: AtomicUsize::new(0),
                 scaling: Mutex::new(()),
                 searching: CachePadded::new(AtomicUsize::new(0)),
+                stack_pressure: AtomicBool::new(false),
                 next_spawn: CachePadded::new(AtomicUsize::new(0)),
                 blocked_joiners: Mutex::new(Vec::new()),
                 blocked_scopes: AtomicUsize::new(0),

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use spindle_fiber::{FiberId, Waiter};
+use spindle_fiber::{FiberId, StackError, Waiter};
 use spindle_sync::Semaphore;
 
 use crate::scope::Finish;
@@ -116,6 +116,15 @@ pub enum JoinError {
         /// Every sleeping fiber, what it waits on and where.
         report: String,
     },
+    /// The job never started: no stack could be mapped for its fiber, and
+    /// no fiber stack that could be freed was left in the process (or the
+    /// mapping was refused outright, not for lack of memory).
+    NoStack {
+        /// Its name, if any.
+        name: Option<Arc<str>>,
+        /// Why the stack could not be mapped.
+        error: StackError,
+    },
 }
 
 impl JoinError {
@@ -165,6 +174,12 @@ impl fmt::Display for JoinError {
                     describe(fiber.as_ref(), name)
                 )
             }
+            JoinError::NoStack { name, error } => write!(
+                f,
+                "{} never started, and nothing running could free a stack for it: {error} (the \
+                 executor's stack size is Builder::stack_size)",
+                describe(None, name)
+            ),
             JoinError::Deadlock { report } => write!(
                 f,
                 "deadlock: the joined fiber can never finish (nothing runnable, no timer pending) \

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crossbeam_deque::Worker as Deque;
 use crossbeam_utils::sync::Parker;
-use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
+use spindle_fiber::{Fiber, FiberAttr, FiberError, RunOutcome, StackError};
 
 use crate::shared::{class_of, retry, steal_one, Job, Shared, Task, WorkerCounters, WorkerShared, CLASSES};
 use crate::task::{Cancelled, JoinError, PanicPayload, TaskRef};
@@ -80,6 +80,10 @@ struct Worker {
     /// FIFO: they are gone after that many pops, or sooner if stolen).
     /// Taking an outside job before those would break FIFO order.
     outside_in_local: [usize; CLASSES],
+    /// A job could not start for want of a stack: run started fibers (which
+    /// may free one) before fresh jobs, whatever their priority, until a
+    /// job starts or a fiber finishes.
+    stack_starved: bool,
 }
 
 pub(crate) fn run(shared: Arc<Shared>, index: usize) {
@@ -92,6 +96,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         tick: 0,
         rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
         outside_in_local: [0; CLASSES],
+        stack_starved: false,
     };
     CURRENT.with(|c| c.set(&*w.ctx));
     // Declared after `w`, so dropped before it, on an unwind too: no
@@ -141,6 +146,19 @@ impl Worker {
     fn next(&mut self) -> Option<Next> {
         self.tick += 1;
         self.drain_inbox();
+        if self.shared().stack_pressure.load(Ordering::Relaxed) {
+            self.cache.clear();
+        }
+        if self.stack_starved {
+            // A job waits for a stack: started fibers first, of any
+            // priority (a higher job that cannot start must not keep the
+            // fibers that hold the stacks from running).
+            for class in 0..CLASSES {
+                if let Some(t) = self.resumed[class].pop_front() {
+                    return Some(Next::Resumed(t));
+                }
+            }
+        }
         let active = self.me().active.load(Ordering::Relaxed);
         let fresh_first = self.tick % 2 == 0;
         // Now and then, jobs from outside before this worker's own spawns
@@ -326,12 +344,35 @@ impl Worker {
                 if let Some(n) = &job.task.name {
                     attr = attr.name(n.clone());
                 }
-                match Fiber::new(attr) {
+                // Out of stacks: this worker's idle cached fibers hold some.
+                let created = Fiber::new(attr.clone()).or_else(|e| match self.cache.is_empty() {
+                    true => Err(e),
+                    false => {
+                        self.cache.clear();
+                        Fiber::new(attr)
+                    }
+                });
+                match created {
                     Ok(f) => f,
+                    Err(FiberError::Stack(error)) if !matches!(error, StackError::OutOfMemory { mapped, .. } if mapped > 0) =>
+                    {
+                        // No fiber stack is left in the process that a
+                        // finishing fiber could free (or the mapping was
+                        // refused for another reason than memory): the job
+                        // can never start. Fail its join rather than wait.
+                        let name = job.task.name.clone();
+                        self.fail_job(job, JoinError::NoStack { name, error });
+                        return None;
+                    }
                     Err(e) => {
                         // Out of stacks (mappings or memory): put the job
-                        // back and let running fibers finish first. Said
-                        // once per process: it can recur for every job.
+                        // back and let running fibers finish first; every
+                        // worker drops its idle fibers meanwhile. Said once
+                        // per process: it can recur for every job.
+                        self.stack_starved = true;
+                        if !self.shared().stack_pressure.swap(true, Ordering::Relaxed) {
+                            self.shared().wake_all();
+                        }
                         static WARNED: std::sync::Once = std::sync::Once::new();
                         WARNED.call_once(|| {
                             eprintln!(
@@ -357,6 +398,9 @@ impl Worker {
                 }
             }
         };
+        if std::mem::take(&mut self.stack_starved) {
+            self.shared().stack_pressure.store(false, Ordering::Relaxed);
+        }
         let Job { task, priority } = job;
         // SeqCst: see `JoinHandle::cancel`.
         task.started_fiber.store(fiber.id().as_u64(), Ordering::SeqCst);
@@ -377,18 +421,29 @@ impl Worker {
     /// A job cancelled (or shut down) before it started: drop its closure
     /// here and fail its join.
     fn drop_job(&self, job: Job) {
+        let name = job.task.name.clone();
+        self.fail_job(job, JoinError::Cancelled { fiber: None, name });
+    }
+
+    /// A job that will never start: drop its closure here and fail its
+    /// join with `err`.
+    fn fail_job(&self, job: Job, err: JoinError) {
         let _busy = BusyOutsideFiber::new(self.me());
         // SAFETY: we hold the job; its closure is dropped, never run.
         unsafe { job.task.drop_job() };
-        let name = job.task.name.clone();
-        self.complete(job.task, Some(JoinError::Cancelled { fiber: None, name }));
+        self.complete(job.task, Some(err));
     }
 
     fn finish(&mut self, fiber: Task, err: Option<JoinError>) {
         let task = take_task(&fiber);
         // Only unnamed fibers this worker created (at the configured stack
         // size) are cached; named ones keep their name for their task only.
-        if fiber.name().is_none() && self.cache.len() < FIBER_CACHE {
+        // A fiber's end may free a stack a waiting job needs.
+        self.stack_starved = false;
+        if fiber.name().is_none()
+            && self.cache.len() < FIBER_CACHE
+            && !self.shared().stack_pressure.load(Ordering::Relaxed)
+        {
             self.cache.push(fiber);
         } else {
             drop(fiber);

@@ -1,15 +1,100 @@
 //! Spawning more fibers than the kernel can map stacks for queues the extra
 //! jobs instead of failing or crashing: each guarded stack costs two of
 //! `vm.max_map_count`'s mappings (65,530 by default, about 32,000 stacks).
+//! Under an address-space limit (in child processes): idle cached fibers
+//! give their stacks up, a job waiting for a stack lets the fibers that
+//! hold them run whatever its priority, and a job no stack can ever fit
+//! fails its join.
 
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::watchdog;
-use spindle_executor::Executor;
+use std::process::Command;
+
+use common::{describe, run_child_watched, watchdog};
+use spindle_executor::{Executor, JoinError, SpawnOptions};
+use spindle_fiber::Priority;
 use spindle_sync::Semaphore;
+
+/// Set in a child process started by `run_child` to the test it runs.
+const CHILD_ENV: &str = "SPINDLE_EXECUTOR_STACK_LIMIT_CHILD";
+
+fn is_child(test: &str) -> bool {
+    std::env::var(CHILD_ENV).is_ok_and(|v| v == test)
+}
+
+/// Runs `test` alone in a child process (the parent's address space stays
+/// unlimited) and checks that it passed.
+fn run_child(test: &str) {
+    let exe = std::env::current_exe().expect("locating the test binary");
+    let out = run_child_watched(
+        test,
+        60,
+        Command::new(exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, test)
+            .env("RUST_BACKTRACE", "0"),
+    );
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child checked"),
+        "the child failed:\n{}",
+        describe(&out)
+    );
+}
+
+/// Caps this process's address space `extra` bytes above what it uses now.
+fn cap_address_space(extra: u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let vm_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmSize in /proc/self/status");
+    let limit =
+        libc::rlimit { rlim_cur: (vm_kib * 1024 + extra) as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit with a valid struct; this only affects the child.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+}
+
+const MIB: usize = 1 << 20;
+
+/// Two unnamed fibers asleep on `gate`, each holding a stack, once both
+/// have started.
+fn two_holders(exec: &Executor, gate: &Arc<Semaphore>) -> Vec<spindle_executor::JoinHandle<()>> {
+    let started = Arc::new(AtomicUsize::new(0));
+    let holders = (0..2)
+        .map(|_| {
+            let (gate, started) = (gate.clone(), started.clone());
+            exec.spawn(move || {
+                started.fetch_add(1, Ordering::SeqCst);
+                gate.acquire();
+            })
+        })
+        .collect();
+    while started.load(Ordering::SeqCst) < 2 {
+        std::thread::yield_now();
+    }
+    holders
+}
+
+/// An executor of one worker with 64 MiB stacks whose worker caches two
+/// idle fibers (two stacks), in a process whose address space has no room
+/// for a third stack.
+fn two_stacks_and_no_room() -> Executor {
+    let exec = Executor::builder().workers(1).max_workers(1).stack_size(64 * MIB).build();
+    // Everything but new stacks exists before the cap: the threads, the
+    // worker's allocator arena, two stacks in the fibers it then caches.
+    let gate = Arc::new(Semaphore::new(0));
+    let holders = two_holders(&exec, &gate);
+    gate.release(2);
+    for h in holders {
+        h.join().unwrap();
+    }
+    cap_address_space(32 * MIB as u64);
+    exec
+}
 
 fn max_map_count() -> usize {
     std::fs::read_to_string("/proc/sys/vm/max_map_count")
@@ -68,4 +153,91 @@ fn spawns_beyond_the_mapping_limit_wait_for_stacks() {
         assert_eq!(sum, n * (n - 1) / 2);
         assert_eq!(started.load(Ordering::Relaxed), n);
     });
+}
+
+/// A named job (which never takes a worker's cached fiber) starts although
+/// the worker's idle cached fibers hold the only stacks that fit: they
+/// give them up.
+#[test]
+fn a_named_job_starts_once_idle_cached_fibers_give_up_their_stacks() {
+    const NAME: &str = "a_named_job_starts_once_idle_cached_fibers_give_up_their_stacks";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    watchdog(NAME, 30, |stage| {
+        let exec = two_stacks_and_no_room();
+        stage.set("a named job needs a stack of its own");
+        let named = exec.spawn_with(SpawnOptions::new().name("named"), || 42);
+        assert_eq!(named.join().unwrap(), 42);
+        assert!(exec.stats().stack_waits == 0, "the worker gave up its idle stacks without a wait");
+        stage.set("the cap is tight: a third fiber does not fit next to two");
+        let gate = Arc::new(Semaphore::new(0));
+        let three: Vec<_> = (0..3)
+            .map(|_| {
+                let gate = gate.clone();
+                exec.spawn(move || gate.acquire())
+            })
+            .collect();
+        while exec.stats().stack_waits == 0 {
+            std::thread::yield_now();
+        }
+        gate.release(3);
+        for h in three {
+            h.join().unwrap();
+        }
+    });
+    println!("child checked");
+}
+
+/// A highest-priority job that waits for a stack does not keep the
+/// lower-priority fibers holding the stacks from running (and finishing).
+#[test]
+fn a_job_waiting_for_a_stack_lets_lower_priority_holders_run() {
+    const NAME: &str = "a_job_waiting_for_a_stack_lets_lower_priority_holders_run";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    watchdog(NAME, 30, |stage| {
+        let exec = two_stacks_and_no_room();
+        let gate = Arc::new(Semaphore::new(0));
+        stage.set("two fibers hold the two stacks");
+        let holders = two_holders(&exec, &gate);
+        stage.set("a highest-priority job waits for a stack");
+        let high = exec.spawn_with(SpawnOptions::new().priority(Priority::HIGHEST), || 7);
+        while exec.stats().stack_waits == 0 {
+            assert!(!high.is_finished(), "the job found a stack: the cap let a third one fit");
+            std::thread::yield_now();
+        }
+        stage.set("the holders are woken; they must run, finish, and free a stack");
+        gate.release(2);
+        assert_eq!(high.join().unwrap(), 7);
+        for h in holders {
+            h.join().unwrap();
+        }
+    });
+    println!("child checked");
+}
+
+/// A job whose stack cannot be mapped while no other fiber stack is
+/// mapped anywhere (nothing could ever free one) fails its join, saying
+/// why, instead of waiting forever.
+#[test]
+fn a_job_no_stack_can_ever_fit_fails_its_join() {
+    const NAME: &str = "a_job_no_stack_can_ever_fit_fails_its_join";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    watchdog(NAME, 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).stack_size(256 * MIB).build();
+        cap_address_space(100 * MIB as u64);
+        stage.set("a job whose 256 MiB stack does not fit under the cap");
+        let err = exec.spawn(|| 1).join().unwrap_err();
+        assert!(matches!(err, JoinError::NoStack { .. }), "{err:?}");
+        let msg = err.to_string();
+        for needle in ["never started", "RLIMIT_AS", "Builder::stack_size"] {
+            assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
+        }
+        println!("{msg}");
+    });
+    println!("child checked");
 }

@@ -248,8 +248,30 @@ impl StackPool {
     }
 
     /// A stack with `usable` bytes: a cached one if there is one, else a
-    /// fresh mapping.
+    /// fresh mapping. If the mapping fails for lack of memory, address
+    /// space or mappings while the pool keeps idle stacks (of other
+    /// sizes), those are unmapped and the mapping is tried once more.
     pub fn take(&self, usable: usize) -> Result<FiberStack, StackError> {
+        match self.take_or_map(usable) {
+            Err(StackError::OutOfMemory { .. }) if self.cached() > 0 => {
+                self.release_idle();
+                self.take_or_map(usable)
+            }
+            taken => taken,
+        }
+    }
+
+    /// Unmaps every idle stack this pool keeps.
+    fn release_idle(&self) {
+        let idle = {
+            let mut cache = self.lock();
+            cache.count = 0;
+            std::mem::take(&mut cache.by_size)
+        };
+        drop(idle); // munmap outside the lock
+    }
+
+    fn take_or_map(&self, usable: usize) -> Result<FiberStack, StackError> {
         let usable = checked_size(usable)?;
         {
             let mut cache = self.lock();

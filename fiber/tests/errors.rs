@@ -256,6 +256,16 @@ fn out_of_memory_names_the_map_count_limit() {
         ] {
             assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
         }
+        // A pool's idle stacks are unmapped to make room: one idle 160 MiB
+        // stack and a new 160 MiB one do not both fit under the cap.
+        let pool = spindle_fiber::StackPool::new(8);
+        pool.give(pool.take(160 << 20).expect("one 160 MiB stack fits"));
+        assert_eq!(pool.cached(), 1);
+        let other = pool
+            .take((160 << 20) + 4096)
+            .expect("the idle stack is unmapped to make room");
+        assert_eq!(pool.cached(), 0, "the idle stack was released");
+        drop(other);
         println!("child checked: {msg}");
         return;
     }
