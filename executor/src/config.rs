@@ -210,7 +210,8 @@ impl Builder {
     /// # Panics
     ///
     /// If a worker or the sysmon thread cannot be started (the system is
-    /// out of threads or memory).
+    /// out of threads or memory). The threads started before are stopped
+    /// and joined first, so none is left behind.
     pub fn build(self) -> crate::Executor {
         crate::Executor::start(self.resolve())
     }

@@ -131,14 +131,31 @@ impl Executor {
         let (shared, sysmon_parker) = Shared::new(config);
         shared.active.store(base, Ordering::Release);
         for i in 0..base {
-            crate::sysmon::activate(&shared, i).expect("spindle-executor: starting a worker thread");
+            if let Err(e) = crate::sysmon::activate(&shared, i) {
+                stop_started_workers(&shared);
+                panic!(
+                    "spindle-executor: could not start worker thread {} of {base} ({e}); ask for \
+                     fewer workers (Builder::workers, SPINDLE_WORKERS) or raise the process's limits \
+                     on threads and memory (ulimit -u, ulimit -v)",
+                    i + 1
+                );
+            }
         }
         shared.note_workers();
         let s = Arc::clone(&shared);
-        let sysmon = std::thread::Builder::new()
+        let sysmon = match std::thread::Builder::new()
             .name("spindle-sysmon".into())
             .spawn(move || crate::sysmon::run(s, sysmon_parker))
-            .expect("spawning the sysmon thread");
+        {
+            Ok(sysmon) => sysmon,
+            Err(e) => {
+                stop_started_workers(&shared);
+                panic!(
+                    "spindle-executor: could not start the sysmon thread ({e}); raise the process's \
+                     limits on threads and memory (ulimit -u, ulimit -v)"
+                );
+            }
+        };
         Executor { handle: Handle { shared }, sysmon: Some(sysmon) }
     }
 
@@ -432,6 +449,18 @@ fn wait_quiescent(shared: &Shared) {
             warned = true;
         }
         std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// An executor that could not start all its threads: the workers already
+/// started leave (nothing was spawned yet) and are joined, so that the
+/// panic that follows leaves no thread behind.
+fn stop_started_workers(shared: &Shared) {
+    shared.exit.store(true, Ordering::SeqCst);
+    shared.wake_all();
+    let threads = std::mem::take(&mut *shared.threads.lock());
+    for t in threads {
+        let _ = t.join();
     }
 }
 

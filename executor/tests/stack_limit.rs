@@ -241,3 +241,36 @@ fn a_job_no_stack_can_ever_fit_fails_its_join() {
     });
     println!("child checked");
 }
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+/// An executor that cannot start all its worker threads (here: no address
+/// space for their stacks) panics saying what to do, and leaves none of
+/// the threads it did start behind.
+#[test]
+fn a_build_that_cannot_start_its_workers_panics_and_leaves_no_thread() {
+    const NAME: &str = "a_build_that_cannot_start_its_workers_panics_and_leaves_no_thread";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    let before = threads();
+    // Room for a few 2 MiB thread stacks (and their guard), not for 64.
+    cap_address_space(12 * MIB as u64);
+    let built = std::panic::catch_unwind(|| Executor::builder().workers(64).max_workers(64).build());
+    let Err(payload) = built else {
+        panic!("64 worker threads fit under the cap: the test needs a tighter one");
+    };
+    let msg = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or_default();
+    for needle in ["could not start worker thread", "Builder::workers", "ulimit"] {
+        assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
+    }
+    assert_eq!(threads(), before, "the threads started before the failure were joined");
+    println!("child checked: {msg}");
+}
