@@ -1026,12 +1026,21 @@ impl<T> Fiber<T> {
 
     /// For schedulers: `Queued` → `Ready` when taking the fiber out of a
     /// queue to run it (or handing it back).
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not `Queued`; nothing changed:
+    /// [`NotQueued`](FiberError::NotQueued) for one that is idle (ready,
+    /// without a function, or finished), [`Running`](FiberError::Running)
+    /// or [`Sleeping`](FiberError::Sleeping) for one that runs or sleeps.
     pub fn mark_dequeued(&self) -> Result<(), FiberError> {
         self.header()
             .state
             .transition(FiberState::Queued, FiberState::Ready)
             .map_err(|s| match s {
-                FiberState::Ready => FiberError::NotQueued(self.header().id),
+                FiberState::Ready | FiberState::Empty | FiberState::Finished => {
+                    FiberError::NotQueued(self.header().id)
+                }
                 other => self.run_error(other),
             })
     }

@@ -193,6 +193,10 @@ fn a_queued_fiber_refuses_run_and_set_function_until_dequeued() {
         );
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
         assert!(matches!(fiber.mark_queued(None), Err(FiberError::Finished(_))));
+        assert!(
+            matches!(fiber.mark_dequeued(), Err(FiberError::NotQueued(_))),
+            "a finished fiber is not queued either"
+        );
     });
 }
 

@@ -244,6 +244,13 @@ impl<T> fmt::Display for PushError<T> {
                  with a larger capacity",
                 fiber.id()
             ),
+            // A fiber's own message for `Queued` is about running it.
+            PushError::NotReady(fiber, FiberError::Queued(_)) => write!(
+                f,
+                "fiber {} cannot be queued: it is in a queue already (a fiber is in one queue at a \
+                 time): pop it from that queue first",
+                fiber.id()
+            ),
             PushError::NotReady(fiber, e) => write!(f, "fiber {} cannot be queued: {e}", fiber.id()),
         }
     }

@@ -208,7 +208,11 @@ fn fibers_that_are_not_runnable_are_refused() {
         let twice = fiber(Priority::NORMAL, || "twice");
         queue.try_push(twice.clone()).unwrap();
         match queue.try_push(twice.clone()) {
-            Err(PushError::NotReady(back, FiberError::Queued(_))) => assert!(Fiber::ptr_eq(&back, &twice)),
+            Err(e @ PushError::NotReady(_, FiberError::Queued(_))) => {
+                let msg = e.to_string();
+                assert!(msg.contains("in a queue already") && !msg.contains("running"), "{msg}");
+                assert!(Fiber::ptr_eq(&e.into_fiber(), &twice));
+            }
             other => panic!("pushing a queued fiber again gave {other:?}"),
         }
         assert_eq!(queue.len(), 1, "the second push must not add an entry");
