@@ -62,7 +62,7 @@
 //! On by default ([`OnDeadlock::FailJoin`], grace period 1 s): when nothing
 //! in the executor is runnable, no timer is pending and fibers sleep, the
 //! joins that threads are blocked in fail with [`JoinError::Deadlock`] and
-//! a report of every sleeping fiber is printed (a thread waiting in
+//! a report of the sleeping fibers is printed (a thread waiting in
 //! [`Executor::scope`] is reported but keeps waiting). Detection sees the executor
 //! only: fibers waiting for a plain thread that feeds them (through a
 //! channel, say) look deadlocked once that thread has been quiet for the

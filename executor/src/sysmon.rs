@@ -227,12 +227,20 @@ pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Sleeping fibers a deadlock report lists by name (the rest are counted).
+const REPORTED_FIBERS: usize = 64;
+
 /// Reports a deadlock and acts on it (fails the blocked joins, aborts, or
 /// only reports).
 fn report_deadlock(shared: &Shared) {
     let mut report = String::new();
+    let mut sleeping = 0usize;
     for w in shared.workers.iter() {
         for fiber in w.sleeping.lock().values() {
+            sleeping += 1;
+            if sleeping > REPORTED_FIBERS {
+                continue;
+            }
             let who = match fiber.name() {
                 Some(n) => format!("fiber '{n}' ({})", fiber.id()),
                 None => format!("fiber {}", fiber.id()),
@@ -246,6 +254,10 @@ fn report_deadlock(shared: &Shared) {
                 }
             }
         }
+    }
+    if sleeping > REPORTED_FIBERS {
+        // Bounded: every failed join gets a copy of the report.
+        let _ = writeln!(report, "  ... and {} more sleeping fibers", sleeping - REPORTED_FIBERS);
     }
     if report.is_empty() {
         report.push_str("  (no sleeping fiber found: they wait on primitives outside this executor)\n");

@@ -113,7 +113,8 @@ pub enum JoinError {
     /// The joiner would wait forever: nothing is runnable, no timer is
     /// pending, and the remaining fibers all sleep. The report lists them.
     Deadlock {
-        /// Every sleeping fiber, what it waits on and where.
+        /// The sleeping fibers, what each waits on and where (the first 64
+        /// by name, the rest counted).
         report: String,
     },
     /// The job never started: no stack could be mapped for its fiber, and

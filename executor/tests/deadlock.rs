@@ -346,3 +346,30 @@ fn a_join_and_a_scope_stuck_together_are_reported_once() {
         });
     });
 }
+
+/// A deadlock among many fibers is reported with the first 64 by name and
+/// the rest counted: every failed join carries a copy of the report.
+#[test]
+fn a_report_of_many_sleeping_fibers_is_bounded() {
+    watchdog("a_report_of_many_sleeping_fibers_is_bounded", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let never = Arc::new(Semaphore::new(0));
+        stage.set("100 fibers asleep on a semaphore nobody releases");
+        let handles: Vec<_> = (0..100)
+            .map(|_| {
+                let never = Arc::clone(&never);
+                exec.spawn(move || never.acquire())
+            })
+            .collect();
+        wait_for(&stage, "all 100 to wait", || never.waiters() == 100);
+        stage.set("joining one of them");
+        let mut handles = handles.into_iter();
+        let err = handles.next().unwrap().join().expect_err("it can never finish");
+        assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
+        let report = err.to_string();
+        assert_eq!(report.matches(" waits on ").count(), 64, "64 fibers by name:\n{report}");
+        assert!(report.contains("... and 36 more sleeping fibers"), "the rest counted:\n{report}");
+        drop(handles);
+        drop(exec);
+    });
+}
