@@ -207,7 +207,8 @@ impl Executor {
     /// # Panics
     ///
     /// If `f` panics (after the scoped fibers are done), or if a scoped
-    /// fiber panicked or was cancelled and nobody joined its handle, as
+    /// fiber panicked, was cancelled or never started (`JoinError::NoStack`)
+    /// and nobody joined its handle, as
     /// `std::thread::scope` does.
     pub fn scope<'env, F, R>(&self, f: F) -> R
     where
@@ -591,7 +592,9 @@ impl<T: Send> JoinHandle<T> {
     ///
     /// [`JoinError::Panicked`] if the fiber panicked,
     /// [`JoinError::Cancelled`] if it was cancelled or the executor shut down
-    /// before it finished, and [`JoinError::Deadlock`] if deadlock detection
+    /// before it finished, [`JoinError::NoStack`] if it never started
+    /// because no stack could be mapped for it (and no fiber that could free
+    /// one was left), and [`JoinError::Deadlock`] if deadlock detection
     /// (on by default, see the crate docs) found the executor stuck while
     /// this thread waited; a fiber joining is not failed that way.
     ///

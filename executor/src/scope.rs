@@ -278,8 +278,9 @@ where
             let first = state.first_unwound.lock().take().unwrap_or_default();
             let more = if n > 1 { format!(" (and {} more)", n - 1) } else { String::new() };
             panic!(
-                "a fiber spawned in a spindle-executor scope panicked or was cancelled, and was not \
-                 joined: {first}{more} (join its ScopedJoinHandle to handle that outcome yourself)"
+                "a fiber spawned in a spindle-executor scope panicked, was cancelled or never started, \
+                 and was not joined: {first}{more} (join its ScopedJoinHandle to handle that outcome \
+                 yourself)"
             )
         }
         Ok(r) => r,

@@ -175,12 +175,17 @@ impl fmt::Display for JoinError {
                     describe(fiber.as_ref(), name)
                 )
             }
-            JoinError::NoStack { name, error } => write!(
-                f,
-                "{} never started, and nothing running could free a stack for it: {error} (the \
-                 executor's stack size is Builder::stack_size)",
-                describe(None, name)
-            ),
+            JoinError::NoStack { name, error } => {
+                match name {
+                    Some(n) => write!(f, "fiber '{n}'")?,
+                    None => f.write_str("a fiber")?,
+                }
+                write!(
+                    f,
+                    " never started: no stack could be mapped for it, and no fiber that could free \
+                     one was left ({error}; the executor's stack size is Builder::stack_size)"
+                )
+            }
             JoinError::Deadlock { report } => write!(
                 f,
                 "deadlock: the joined fiber can never finish (nothing runnable, no timer pending) \
@@ -360,10 +365,16 @@ pub(crate) fn drop_payload(payload: Box<dyn Any + Send>) {
 impl<T, F> Drop for TaskCell<T, F> {
     fn drop(&mut self) {
         // A panic, or a cancel that unwound a started fiber, nobody joined
-        // (a job cancelled before it started did not unwind).
+        // (a job cancelled before it started did not unwind), or a job that
+        // never started for want of a stack: a scope reports each at its
+        // end, as `std::thread::scope` does a panic.
         let unwound = matches!(
             self.head.error.get_mut().as_deref(),
-            Some(JoinError::Panicked { .. } | JoinError::Cancelled { fiber: Some(_), .. })
+            Some(
+                JoinError::Panicked { .. }
+                    | JoinError::Cancelled { fiber: Some(_), .. }
+                    | JoinError::NoStack { .. }
+            )
         );
         let (result, job, error) =
             (self.result.get_mut().take(), self.job.get_mut().take(), self.head.error.get_mut().take());

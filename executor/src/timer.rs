@@ -191,7 +191,10 @@ impl Timers {
         }
     }
 
-    /// Wakes every sleeper now (shutdown).
+    /// Wakes every sleeper now (shutdown). Runs on the thread that drops
+    /// the executor, not on sysmon, and records no key in flight: a stale
+    /// entry's task reference may be a task's last here, and its unjoined
+    /// value is then dropped on that thread.
     pub(crate) fn fire_all(&self) {
         let entries = std::mem::take(&mut self.map.lock().timers);
         for (_, e) in entries {
@@ -307,7 +310,11 @@ mod tests {
         let handle_rx = Mutex::new(handle_rx);
         let after_rx = Mutex::new(after_rx);
         *SLEEP_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
-            let Ok(handle) = handle_rx.lock().unwrap().try_recv() else { return };
+            let handle = handle_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30))
+                .expect("the test sends the task's handle");
             // End the sleep another way, and let go of the task.
             crate::JoinHandle::<RecordsDropThread>::wake(&handle);
             drop(handle);
@@ -325,15 +332,17 @@ mod tests {
         let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
         *SLEEP_ENTRY_TAKEN.lock().unwrap() = None;
         assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
+        assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the fiber did not meet the firing in flight");
     }
 
     /// An `interrupt_after` deadline that sysmon takes out of the map just
-    /// as its call ends (the call takes the waiter first, so the deadline
-    /// does not fire) holds no reference to the task: the task's unjoined
-    /// value is dropped where the task ends, on its worker, not on sysmon
-    /// after the fiber is gone. (Sysmon is stalled here between taking the
-    /// entry and firing it, until the task has ended and a job queued
-    /// behind it has run.)
+    /// as its call ends holds no reference to the task that could be its
+    /// last: the task's unjoined value is dropped where the task ends, on
+    /// its worker, not on sysmon after the fiber is gone. (Sysmon is
+    /// stalled here between taking the entry and firing it. The call's end
+    /// waits for that firing now, which then interrupts the fiber, and the
+    /// call's end clears the mark; before the wait, the call took the
+    /// waiter first and the task ended while sysmon held a reference.)
     #[test]
     fn a_deadline_taken_as_its_call_ends_does_not_drop_the_value_on_sysmon() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -363,5 +372,6 @@ mod tests {
         let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
         *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = None;
         assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
+        assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the call's end did not meet the firing in flight");
     }
 }

@@ -149,10 +149,12 @@ impl Worker {
         if self.shared().stack_pressure.load(Ordering::Relaxed) {
             self.cache.clear();
         }
-        if self.stack_starved {
-            // A job waits for a stack: started fibers first, of any
-            // priority (a higher job that cannot start must not keep the
-            // fibers that hold the stacks from running).
+        if self.stack_starved && self.tick % 2 == 1 {
+            // A job waits for a stack: every other round, started fibers
+            // first, of any priority (a higher job that cannot start must
+            // not keep the fibers that hold the stacks from running); the
+            // other rounds try the job again (a stack may be freed
+            // anywhere, not only by this worker's fibers).
             for class in 0..CLASSES {
                 if let Some(t) = self.resumed[class].pop_front() {
                     return Some(Next::Resumed(t));
@@ -344,22 +346,30 @@ impl Worker {
                 if let Some(n) = &job.task.name {
                     attr = attr.name(n.clone());
                 }
-                // Out of stacks: this worker's idle cached fibers hold some.
-                let created = Fiber::new(attr.clone()).or_else(|e| match self.cache.is_empty() {
-                    true => Err(e),
-                    false => {
+                // Out of stacks: this worker's idle cached fibers may hold
+                // some. And a failure seen with no fiber stack mapped
+                // anywhere is tried once more: a stack freed while the
+                // mapping failed could have made room.
+                let no_stack_mapped = |e: &FiberError| {
+                    matches!(e, FiberError::Stack(StackError::OutOfMemory { mapped: 0, .. }))
+                };
+                let created = Fiber::new(attr.clone()).or_else(|e| {
+                    if !self.cache.is_empty() || no_stack_mapped(&e) {
                         self.cache.clear();
                         Fiber::new(attr)
+                    } else {
+                        Err(e)
                     }
                 });
                 match created {
                     Ok(f) => f,
                     Err(FiberError::Stack(error)) if !matches!(error, StackError::OutOfMemory { mapped, .. } if mapped > 0) =>
                     {
-                        // No fiber stack is left in the process that a
-                        // finishing fiber could free (or the mapping was
-                        // refused for another reason than memory): the job
-                        // can never start. Fail its join rather than wait.
+                        // No fiber stack is mapped in the process that a
+                        // finishing fiber could free, twice (or the mapping
+                        // was refused for another reason than memory):
+                        // waiting for fibers to finish cannot help. Fail
+                        // its join rather than wait.
                         let name = job.task.name.clone();
                         self.fail_job(job, JoinError::NoStack { name, error });
                         return None;
@@ -398,7 +408,9 @@ impl Worker {
                 }
             }
         };
-        if std::mem::take(&mut self.stack_starved) {
+        self.stack_starved = false;
+        // Whichever worker starts a job ends the pressure.
+        if self.shared().stack_pressure.load(Ordering::Relaxed) {
             self.shared().stack_pressure.store(false, Ordering::Relaxed);
         }
         let Job { task, priority } = job;

@@ -35,7 +35,12 @@ fn run_child(test: &str) {
         Command::new(exe)
             .args([test, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, test)
-            .env("RUST_BACKTRACE", "0"),
+            .env("RUST_BACKTRACE", "0")
+            // Deterministic room under the caps below: no allocator arena
+            // (a 64 MiB reservation each) made after a cap, and thread
+            // stacks of the usual size.
+            .env("MALLOC_ARENA_MAX", "1")
+            .env("RUST_MIN_STACK", "2097152"),
     );
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child checked"),
@@ -238,6 +243,15 @@ fn a_job_no_stack_can_ever_fit_fails_its_join() {
             assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
         }
         println!("{msg}");
+        stage.set("the same job spawned in a scope and not joined");
+        let scoped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            exec.scope(|s| {
+                s.spawn(|| 1);
+            })
+        }));
+        let Err(payload) = scoped else { panic!("the scope returned as if its fiber had run") };
+        let msg = payload.downcast_ref::<String>().map(String::as_str).unwrap_or_default();
+        assert!(msg.contains("never started"), "the scope's panic says what happened: {msg:?}");
     });
     println!("child checked");
 }
@@ -271,6 +285,90 @@ fn a_build_that_cannot_start_its_workers_panics_and_leaves_no_thread() {
     for needle in ["could not start worker thread", "Builder::workers", "ulimit"] {
         assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
     }
-    assert_eq!(threads(), before, "the threads started before the failure were joined");
+    // A joined thread leaves /proc/self/task shortly after its join
+    // returns: wait (bounded) for the count to come back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while threads() != before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the threads started before the failure were not joined: {} now, {before} before",
+            threads()
+        );
+        std::thread::yield_now();
+    }
     println!("child checked: {msg}");
+}
+
+/// Once a job that waited for a stack has started, the workers cache idle
+/// fibers again (consecutive jobs reuse one fiber): the pressure that made
+/// them give their idle fibers up ends.
+#[test]
+fn the_fiber_cache_works_again_after_a_stack_wait() {
+    const NAME: &str = "the_fiber_cache_works_again_after_a_stack_wait";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    watchdog(NAME, 30, |stage| {
+        let exec = two_stacks_and_no_room();
+        let id = || exec.spawn(|| spindle_fiber::current().unwrap().id()).join().unwrap();
+        assert_eq!(id(), id(), "consecutive jobs reuse a cached fiber");
+        stage.set("a job waits for a stack");
+        let gate = Arc::new(Semaphore::new(0));
+        let holders = two_holders(&exec, &gate);
+        let job = exec.spawn(|| 7);
+        while exec.stats().stack_waits == 0 {
+            std::thread::yield_now();
+        }
+        gate.release(2);
+        assert_eq!(job.join().unwrap(), 7);
+        for h in holders {
+            h.join().unwrap();
+        }
+        stage.set("the cache after the wait");
+        let ids: Vec<_> = (0..5).map(|_| id()).collect();
+        assert!(ids.windows(2).any(|w| w[0] == w[1]), "the fiber cache stayed off after the wait: {ids:?}");
+    });
+    println!("child checked");
+}
+
+/// A worker whose job waits for a stack keeps trying it while a fiber of
+/// its own keeps yielding: a stack freed elsewhere (here a `FiberStack`
+/// the test holds) lets the job start.
+#[test]
+fn a_waiting_job_is_retried_while_a_fiber_keeps_yielding() {
+    const NAME: &str = "a_waiting_job_is_retried_while_a_fiber_keeps_yielding";
+    if !is_child(NAME) {
+        return run_child(NAME);
+    }
+    watchdog(NAME, 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).stack_size(64 * MIB).build();
+        assert_eq!(exec.spawn_with(SpawnOptions::new().name("warm"), || 1).join().unwrap(), 1);
+        // The stack the pool kept from that fiber, taken out of it.
+        let elsewhere = spindle_fiber::FiberStack::new(64 * MIB).unwrap();
+        cap_address_space(32 * MIB as u64);
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let started = Arc::new(AtomicUsize::new(0));
+        let (f, s) = (flag.clone(), started.clone());
+        let poller = exec.spawn_with(SpawnOptions::new().name("poller"), move || {
+            s.store(1, Ordering::SeqCst);
+            while !f.load(Ordering::SeqCst) {
+                spindle_executor::yield_now();
+            }
+        });
+        while started.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        stage.set("a job that ends the poller waits for a stack");
+        let f = flag.clone();
+        let job = exec.spawn_with(SpawnOptions::new().name("job"), move || f.store(true, Ordering::SeqCst));
+        while exec.stats().stack_waits == 0 {
+            assert!(!job.is_finished(), "the job found a stack: the cap let one more fit");
+            std::thread::yield_now();
+        }
+        stage.set("a stack is freed outside the executor");
+        drop(elsewhere);
+        job.join().unwrap();
+        poller.join().unwrap();
+    });
+    println!("child checked");
 }

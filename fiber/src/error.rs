@@ -53,11 +53,12 @@ pub enum StackError {
 }
 
 impl StackError {
-    pub(crate) fn from_map_error(bytes: usize, source: io::Error) -> StackError {
+    /// `mapped_before`: the fiber stacks mapped when the mapping was tried.
+    pub(crate) fn from_map_error(bytes: usize, source: io::Error, mapped_before: usize) -> StackError {
         match source.raw_os_error() {
             Some(libc::ENOMEM) => StackError::OutOfMemory {
                 bytes,
-                mapped: crate::stack::mapped_stacks(),
+                mapped: mapped_before.max(crate::stack::mapped_stacks()),
                 address_limit: address_limit(),
             },
             // Not an OS error: the mapping library refused the arguments
@@ -134,6 +135,12 @@ impl fmt::Display for StackError {
                         f,
                         "{map_count}, or use smaller stacks. (The address space is also limited, \
                          to {limit} bytes: ulimit -v, RLIMIT_AS.)"
+                    ),
+                    None if *mapped < MAP_COUNT_NEAR => write!(
+                        f,
+                        "The system (or the container or cgroup this process runs in) may be out \
+                         of memory: free some, or use smaller stacks or fewer fibers. (Otherwise: \
+                         {map_count}.)"
                     ),
                     None => write!(
                         f,
@@ -259,7 +266,7 @@ mod tests {
 
     #[test]
     fn a_mapping_error_keeps_its_errno_and_enomem_names_the_limit() {
-        let eperm = StackError::from_map_error(4096, io::Error::from_raw_os_error(libc::EPERM));
+        let eperm = StackError::from_map_error(4096, io::Error::from_raw_os_error(libc::EPERM), 0);
         assert_eq!(
             eperm,
             StackError::Map {
@@ -275,7 +282,7 @@ mod tests {
 
         // A refusal without a system call reads as EINVAL, not "os error 0".
         let refused =
-            StackError::from_map_error(4096, io::Error::new(io::ErrorKind::InvalidInput, "too big"));
+            StackError::from_map_error(4096, io::Error::new(io::ErrorKind::InvalidInput, "too big"), 0);
         assert_eq!(
             refused,
             StackError::Map {
@@ -284,7 +291,7 @@ mod tests {
             }
         );
 
-        let oom = StackError::from_map_error(8192, io::Error::from_raw_os_error(libc::ENOMEM));
+        let oom = StackError::from_map_error(8192, io::Error::from_raw_os_error(libc::ENOMEM), 0);
         assert!(
             matches!(oom, StackError::OutOfMemory { bytes: 8192, .. }),
             "{oom:?}"
@@ -328,5 +335,10 @@ mod tests {
             msg.contains("vm.max_map_count") && !msg.contains("RLIMIT_AS"),
             "{msg}"
         );
+        let (memory, map_count) = (
+            msg.find("out of memory: free").unwrap(),
+            msg.find("vm.max_map_count").unwrap(),
+        );
+        assert!(memory < map_count, "memory first with few stacks mapped: {msg}");
     }
 }

@@ -59,7 +59,8 @@ pub(crate) fn mapped_stacks() -> usize {
 /// assert_send_sync::<spindle_fiber::FiberStack>();
 /// ```
 pub struct FiberStack {
-    map: MmapMut,
+    /// Unmapped by `drop`, before the count of mapped stacks goes down.
+    map: std::mem::ManuallyDrop<MmapMut>,
     usable: usize,
     /// Top of the usable region (read on every switch into the fiber).
     base: usize,
@@ -72,22 +73,33 @@ impl FiberStack {
         let usable = checked_size(usable)?;
         let page = page_size();
         let total = usable + page;
+        // For an out-of-memory report: the stacks mapped while the mapping
+        // was tried (one unmapped meanwhile still counts).
+        let mapped_before = mapped_stacks();
         let map = MmapOptions::new()
             .len(total)
             .stack()
             .map_anon()
-            .map_err(|e| StackError::from_map_error(total, e))?;
+            .map_err(|e| StackError::from_map_error(total, e, mapped_before))?;
         // SAFETY: the first page lies inside the mapping we own; making it
         // PROT_NONE only removes access to memory nobody references yet.
         let rc = unsafe { libc::mprotect(map.as_ptr() as *mut libc::c_void, page, libc::PROT_NONE) };
         if rc != 0 {
-            return Err(StackError::from_map_error(total, std::io::Error::last_os_error()));
+            return Err(StackError::from_map_error(
+                total,
+                std::io::Error::last_os_error(),
+                mapped_before,
+            ));
         }
         let base = map.as_ptr() as usize + page + usable;
         let guard = map.as_ptr() as usize;
         crate::overflow::note_guard(guard, guard + page);
         MAPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(FiberStack { map, usable, base })
+        Ok(FiberStack {
+            map: std::mem::ManuallyDrop::new(map),
+            usable,
+            base,
+        })
     }
 
     /// Usable bytes (excluding the guard page).
@@ -145,7 +157,9 @@ unsafe impl Stack for FiberStack {
 
 impl Drop for FiberStack {
     fn drop(&mut self) {
-        // The mapping itself goes with `map`, right after.
+        // SAFETY: dropped once, here; `map` is not used afterwards.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.map) };
+        // Only now: a count of zero means no stack is mapped any more.
         MAPPED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }

@@ -740,8 +740,13 @@ fn set_function_racing_a_queue_never_calls_an_unstarted_fiber_busy() {
             })
         };
         stage.set("racing");
+        // Until both outcomes were seen often (the popper may get little
+        // time on a busy machine) and at least 200,000 attempts were made.
         let (mut ok, mut queued) = (0u64, 0u64);
-        for i in 0..200_000u64 {
+        for i in 0u64.. {
+            if i >= 200_000 && ok >= 100 && queued >= 100 {
+                break;
+            }
             match f.set_function(Priority::NORMAL, || 2) {
                 Ok(()) => ok += 1,
                 Err(FiberError::Queued(_) | FiberError::Running(_)) => queued += 1,
@@ -754,6 +759,5 @@ fn set_function_racing_a_queue_never_calls_an_unstarted_fiber_busy() {
         }
         stop.store(true, Ordering::Relaxed);
         popper.join().unwrap();
-        assert!(ok > 0 && queued > 0, "the two threads did not meet: {ok} Ok, {queued} Queued/Running");
     });
 }
