@@ -34,7 +34,7 @@ pub(crate) fn page_size() -> usize {
     *PAGE.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize })
 }
 
-/// Fiber stacks mapped now (pooled ones included), for the out-of-memory
+/// Fiber stacks mapped now, or being mapped (pooled ones included), for the out-of-memory
 /// report.
 static MAPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -73,28 +73,26 @@ impl FiberStack {
         let usable = checked_size(usable)?;
         let page = page_size();
         let total = usable + page;
-        // For an out-of-memory report: the stacks mapped while the mapping
-        // was tried (one unmapped meanwhile still counts).
-        let mapped_before = mapped_stacks();
-        let map = MmapOptions::new()
-            .len(total)
-            .stack()
-            .map_anon()
-            .map_err(|e| StackError::from_map_error(total, e, mapped_before))?;
+        // Counted from before the mapping until after its unmap, so that an
+        // out-of-memory report counts every stack that was mapped, or being
+        // mapped, while this one was tried (`mapped_before`: the others).
+        let mapped_before = MAPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let failed = |e: std::io::Error| {
+            MAPPED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            StackError::from_map_error(total, e, mapped_before)
+        };
+        let map = MmapOptions::new().len(total).stack().map_anon().map_err(failed)?;
         // SAFETY: the first page lies inside the mapping we own; making it
         // PROT_NONE only removes access to memory nobody references yet.
         let rc = unsafe { libc::mprotect(map.as_ptr() as *mut libc::c_void, page, libc::PROT_NONE) };
         if rc != 0 {
-            return Err(StackError::from_map_error(
-                total,
-                std::io::Error::last_os_error(),
-                mapped_before,
-            ));
+            let e = std::io::Error::last_os_error();
+            drop(map);
+            return Err(failed(e));
         }
         let base = map.as_ptr() as usize + page + usable;
         let guard = map.as_ptr() as usize;
         crate::overflow::note_guard(guard, guard + page);
-        MAPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(FiberStack {
             map: std::mem::ManuallyDrop::new(map),
             usable,
