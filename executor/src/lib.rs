@@ -69,6 +69,16 @@
 //! grace period. Such programs set [`Builder::on_deadlock`] or
 //! [`Builder::deadlock_grace`].
 //!
+//! # Out of stacks
+//!
+//! A job gets its fiber, and its stack, when a worker starts it, so any
+//! number of jobs can be queued. When no stack can be mapped (the kernel's
+//! `vm.max_map_count`, an address-space limit such as `ulimit -v`, or
+//! memory), the workers give up the idle fibers they cache and the job
+//! waits until running fibers finish ([`ExecutorStats::stack_waits`]
+//! counts the waits); one that could never start, because no fiber stack
+//! is left to free, fails its join with [`JoinError::NoStack`].
+//!
 //! # Same names as in `spindle-fiber`
 //!
 //! This crate's [`yield_now`] also checks for cancellation
