@@ -36,10 +36,10 @@ pub enum StackError {
         /// Fiber stacks this process had mapped when the mapping failed
         /// (pooled ones included): near 32,000, the kernel's limit on
         /// mappings is the likely cause.
-        mapped: usize,
+        mapped: u32,
         /// The process's address-space limit in bytes (`ulimit -v`,
         /// `RLIMIT_AS`) when the mapping failed, if it has one.
-        address_limit: Option<u64>,
+        address_limit: Option<std::num::NonZeroU64>,
     },
     /// Any other `mmap`/`mprotect` failure.
     Map {
@@ -58,7 +58,8 @@ impl StackError {
         match source.raw_os_error() {
             Some(libc::ENOMEM) => StackError::OutOfMemory {
                 bytes,
-                mapped: mapped_before.max(crate::stack::mapped_stacks()),
+                // Saturating: 4 bytes keep the error as small as it was.
+                mapped: u32::try_from(mapped_before.max(crate::stack::mapped_stacks())).unwrap_or(u32::MAX),
                 address_limit: address_limit(),
             },
             // Not an OS error: the mapping library refused the arguments
@@ -80,7 +81,7 @@ impl StackError {
 }
 
 /// The soft `RLIMIT_AS` of the process, if it is not unlimited.
-fn address_limit() -> Option<u64> {
+fn address_limit() -> Option<std::num::NonZeroU64> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -89,7 +90,7 @@ fn address_limit() -> Option<u64> {
     if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
         return None;
     }
-    Some(limit.rlim_cur)
+    std::num::NonZeroU64::new(limit.rlim_cur)
 }
 
 /// Live fibers at which the kernel's default limit on mappings
@@ -125,7 +126,7 @@ impl fmt::Display for StackError {
                                  hit the default vm.max_map_count limit of 65,530: raise it (sysctl \
                                  vm.max_map_count) or keep fewer fibers alive at once";
                 match address_limit {
-                    Some(limit) if *mapped < MAP_COUNT_NEAR => write!(
+                    Some(limit) if (*mapped as usize) < MAP_COUNT_NEAR => write!(
                         f,
                         "The process's address space is limited to {limit} bytes (ulimit -v, \
                          RLIMIT_AS): raise that limit, or use smaller stacks or fewer fibers. \
@@ -136,7 +137,7 @@ impl fmt::Display for StackError {
                         "{map_count}, or use smaller stacks. (The address space is also limited, \
                          to {limit} bytes: ulimit -v, RLIMIT_AS.)"
                     ),
-                    None if *mapped < MAP_COUNT_NEAR => write!(
+                    None if (*mapped as usize) < MAP_COUNT_NEAR => write!(
                         f,
                         "The system (or the container or cgroup this process runs in) may be out \
                          of memory: free some, or use smaller stacks or fewer fibers. (Otherwise: \
@@ -291,6 +292,19 @@ mod tests {
             }
         );
 
+        // Errors come back from every `run` and `Fiber::new`: the
+        // out-of-memory details must not make them larger than before.
+        assert!(
+            std::mem::size_of::<StackError>() <= 24,
+            "{}",
+            std::mem::size_of::<StackError>()
+        );
+        assert!(
+            std::mem::size_of::<FiberError>() <= 24,
+            "{}",
+            std::mem::size_of::<FiberError>()
+        );
+
         let oom = StackError::from_map_error(8192, io::Error::from_raw_os_error(libc::ENOMEM), 0);
         assert!(
             matches!(oom, StackError::OutOfMemory { bytes: 8192, .. }),
@@ -304,7 +318,7 @@ mod tests {
         let limited = StackError::OutOfMemory {
             bytes: 8192,
             mapped: 63,
-            address_limit: Some(1 << 30),
+            address_limit: std::num::NonZeroU64::new(1 << 30),
         };
         let msg = limited.to_string();
         assert!(msg.starts_with("could not map a 8192-byte fiber stack"), "{msg}");
@@ -317,7 +331,7 @@ mod tests {
         let crowded = StackError::OutOfMemory {
             bytes: 8192,
             mapped: 32_700,
-            address_limit: Some(1 << 40),
+            address_limit: std::num::NonZeroU64::new(1 << 40),
         };
         let msg = crowded.to_string();
         let (rlimit, map_count) = (

@@ -264,26 +264,6 @@ impl StackPool {
     /// space or mappings while the pool keeps idle stacks (of other
     /// sizes), those are unmapped and the mapping is tried once more.
     pub fn take(&self, usable: usize) -> Result<FiberStack, StackError> {
-        match self.take_or_map(usable) {
-            Err(StackError::OutOfMemory { .. }) if self.cached() > 0 => {
-                self.release_idle();
-                self.take_or_map(usable)
-            }
-            taken => taken,
-        }
-    }
-
-    /// Unmaps every idle stack this pool keeps.
-    fn release_idle(&self) {
-        let idle = {
-            let mut cache = self.lock();
-            cache.count = 0;
-            std::mem::take(&mut cache.by_size)
-        };
-        drop(idle); // munmap outside the lock
-    }
-
-    fn take_or_map(&self, usable: usize) -> Result<FiberStack, StackError> {
         let usable = checked_size(usable)?;
         {
             let mut cache = self.lock();
@@ -297,6 +277,27 @@ impl StackPool {
                 }
             }
         }
+        match FiberStack::new(usable) {
+            Err(e @ StackError::OutOfMemory { .. }) => self.map_after_releasing_idle(usable, e),
+            mapped => mapped,
+        }
+    }
+
+    /// A mapping failed for lack of memory: if this pool keeps idle stacks
+    /// (of other sizes, or put back meanwhile), unmaps them and maps again.
+    /// Out of line: the common path of `take` stays as small as it was.
+    #[cold]
+    #[inline(never)]
+    fn map_after_releasing_idle(&self, usable: usize, failed: StackError) -> Result<FiberStack, StackError> {
+        let idle = {
+            let mut cache = self.lock();
+            cache.count = 0;
+            std::mem::take(&mut cache.by_size)
+        };
+        if idle.is_empty() {
+            return Err(failed);
+        }
+        drop(idle); // munmap outside the lock
         FiberStack::new(usable)
     }
 
