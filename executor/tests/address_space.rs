@@ -14,6 +14,7 @@ use common::{describe, run_child_watched, watchdog};
 use spindle_executor::{Executor, JoinError, SpawnOptions};
 use spindle_fiber::Priority;
 use spindle_sync::Semaphore;
+use spindle_test_support::cap_address_space;
 
 /// Set in a child process started by `run_child` to the test it runs.
 const CHILD_ENV: &str = "SPINDLE_EXECUTOR_ADDRESS_SPACE_CHILD";
@@ -46,20 +47,6 @@ fn run_child(test: &str) {
         "the child failed:\n{}",
         describe(&out)
     );
-}
-
-/// Caps this process's address space `extra` bytes above what it uses now.
-fn cap_address_space(extra: u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let vm_kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmSize in /proc/self/status");
-    let limit =
-        libc::rlimit { rlim_cur: (vm_kib * 1024 + extra) as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: setrlimit with a valid struct; this only affects the child.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
 }
 
 const MIB: usize = 1 << 20;

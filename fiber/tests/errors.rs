@@ -230,19 +230,7 @@ fn out_of_memory_names_the_map_count_limit() {
     if is_child(ENOMEM_CHILD) {
         // Cap this (child) process's address space just above what it uses,
         // so a large stack cannot be mapped.
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let vm_kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmSize:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmSize in /proc/self/status");
-        let cap = (vm_kib * 1024 + (256 << 20)) as libc::rlim_t;
-        let limit = libc::rlimit {
-            rlim_cur: cap,
-            rlim_max: libc::RLIM_INFINITY,
-        };
-        // SAFETY: setrlimit with a valid struct; this only affects the child.
-        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+        spindle_test_support::cap_address_space(256 << 20);
         let err = Fiber::<()>::new(FiberAttr::new().stack_size(512 << 20)).unwrap_err();
         let bytes = match &err {
             FiberError::Stack(StackError::OutOfMemory { bytes, .. }) => *bytes,

@@ -176,3 +176,24 @@ pub fn describe(output: &Output) -> String {
         String::from_utf8_lossy(&output.stderr)
     )
 }
+
+/// Caps the calling process's address space (`RLIMIT_AS`) `extra` bytes
+/// above what it uses now, so that larger mappings fail with `ENOMEM`.
+/// For child processes ([`run_child_watched`]): the cap cannot be raised
+/// again by an unprivileged process.
+///
+/// # Panics
+///
+/// If `/proc/self/status` has no `VmSize`, or `setrlimit` fails.
+pub fn cap_address_space(extra: u64) {
+    let status = std::fs::read_to_string("/proc/self/status").expect("reading /proc/self/status");
+    let vm_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmSize in /proc/self/status");
+    let limit =
+        libc::rlimit { rlim_cur: (vm_kib * 1024 + extra) as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit with a valid struct; it affects this process only.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0, "setrlimit(RLIMIT_AS)");
+}
