@@ -128,6 +128,30 @@ fn panics_unwind_the_fiber_and_leave_the_executor_usable() {
 }
 
 /// Panics when dropped.
+/// Spawns a job that captures `capture` and cancels it before it starts:
+/// the only worker of `exec` is held busy (no suspension, no second worker
+/// to scale up to) until the job is cancelled. Its closure, and with it
+/// `capture`, is then dropped by the worker, unrun.
+fn cancel_before_it_starts<C: Send + 'static>(exec: &Executor, capture: C) {
+    let held = Flag::new();
+    let release = Flag::new();
+    let (fiber_held, fiber_release) = (held.clone(), release.clone());
+    let blocker = exec.spawn(move || {
+        fiber_held.set();
+        while !fiber_release.is_set() {
+            std::hint::spin_loop();
+        }
+    });
+    while !held.is_set() {
+        std::thread::yield_now();
+    }
+    let never_run = exec.spawn(move || drop(capture));
+    never_run.cancel();
+    release.set();
+    blocker.join().unwrap();
+    assert!(never_run.join().unwrap_err().is_cancelled());
+}
+
 struct Bomb;
 
 impl Drop for Bomb {
@@ -153,26 +177,7 @@ fn a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running() {
         assert_eq!(exec.block_on(|| 1).unwrap(), 1);
 
         stage.set("a cancelled job whose closure's drop panics");
-        // The only worker is held busy (no suspension, no second worker
-        // to scale up to) until the job is cancelled, so it never starts.
-        let held = Flag::new();
-        let release = Flag::new();
-        let (fiber_held, fiber_release) = (held.clone(), release.clone());
-        let blocker = exec.spawn(move || {
-            fiber_held.set();
-            while !fiber_release.is_set() {
-                std::hint::spin_loop();
-            }
-        });
-        while !held.is_set() {
-            std::thread::yield_now();
-        }
-        let bomb = Bomb;
-        let never_run = exec.spawn(move || drop(bomb));
-        never_run.cancel();
-        release.set();
-        blocker.join().unwrap();
-        assert!(never_run.join().unwrap_err().is_cancelled());
+        cancel_before_it_starts(&exec, Bomb);
         assert_eq!(exec.block_on(|| 2).unwrap(), 2);
         drop(exec);
     });
@@ -218,24 +223,7 @@ fn a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running() {
         assert_eq!(exec.block_on(|| 2).unwrap(), 2, "the worker runs on after the payload's drop");
 
         stage.set("the closure of a cancelled job");
-        let held = Flag::new();
-        let release = Flag::new();
-        let (fiber_held, fiber_release) = (held.clone(), release.clone());
-        let blocker = exec.spawn(move || {
-            fiber_held.set();
-            while !fiber_release.is_set() {
-                std::hint::spin_loop();
-            }
-        });
-        while !held.is_set() {
-            std::thread::yield_now();
-        }
-        let bomb = DoubleBomb;
-        let never_run = exec.spawn(move || drop(bomb));
-        never_run.cancel();
-        release.set();
-        blocker.join().unwrap();
-        assert!(never_run.join().unwrap_err().is_cancelled());
+        cancel_before_it_starts(&exec, DoubleBomb);
         assert_eq!(exec.block_on(|| 3).unwrap(), 3, "the worker runs on after the closure's drop");
         stage.set("shutdown");
         drop(exec);
