@@ -84,7 +84,13 @@ struct Worker {
     /// may free one) before fresh jobs, whatever their priority, until a
     /// job starts or a fiber finishes.
     stack_starved: bool,
+    /// Set by a start that failed for want of a stack; see `main_loop`.
+    stack_backoff: bool,
 }
+
+/// How long a worker whose job could not get a stack, and that has nothing
+/// else to run, waits before trying again.
+const STACK_BACKOFF: std::time::Duration = std::time::Duration::from_millis(1);
 
 pub(crate) fn run(shared: Arc<Shared>, index: usize) {
     let parker = shared.workers[index].parker.lock().take().expect("a worker starts once");
@@ -97,6 +103,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
         outside_in_local: [0; CLASSES],
         stack_starved: false,
+        stack_backoff: false,
     };
     CURRENT.with(|c| c.set(&*w.ctx));
     // Declared after `w`, so dropped before it, on an unwind too: no
@@ -139,6 +146,13 @@ impl Worker {
             match self.next() {
                 Some(n) => self.run_one(n),
                 None => self.idle(parker),
+            }
+            // A job could not start for want of a stack, and this worker has
+            // no started fiber of its own to run meanwhile: back off before
+            // trying again, instead of spinning on the failing mapping (an
+            // unpark ends the wait early).
+            if std::mem::take(&mut self.stack_backoff) && self.resumed.iter().all(VecDeque::is_empty) {
+                parker.park_timeout(STACK_BACKOFF);
             }
         }
     }
@@ -402,7 +416,7 @@ impl Worker {
                                 self.shared().wake_one_parked();
                             }
                         }
-                        std::thread::yield_now();
+                        self.stack_backoff = true;
                         return None;
                     }
                 }
