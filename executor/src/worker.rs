@@ -148,10 +148,15 @@ impl Worker {
                 None => self.idle(parker),
             }
             // A job could not start for want of a stack, and this worker has
-            // no started fiber of its own to run meanwhile: back off before
-            // trying again, instead of spinning on the failing mapping (an
-            // unpark ends the wait early).
-            if std::mem::take(&mut self.stack_backoff) && self.resumed.iter().all(VecDeque::is_empty) {
+            // no started fiber of its own to run meanwhile (none resumed,
+            // none woken into its inbox): back off before trying again,
+            // instead of spinning on the failing mapping. Only `wake_all`
+            // ends the wait early (the worker is not marked parked, so a
+            // fiber woken into its inbox meanwhile waits for the rest of it).
+            if std::mem::take(&mut self.stack_backoff)
+                && self.resumed.iter().all(VecDeque::is_empty)
+                && self.me().inbox.len.load(Ordering::Acquire) == 0
+            {
                 parker.park_timeout(STACK_BACKOFF);
             }
         }

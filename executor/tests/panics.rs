@@ -127,7 +127,6 @@ fn panics_unwind_the_fiber_and_leave_the_executor_usable() {
     });
 }
 
-/// Panics when dropped.
 /// Spawns a job that captures `capture` and cancels it before it starts:
 /// the only worker of `exec` is held busy (no suspension, no second worker
 /// to scale up to) until the job is cancelled. Its closure, and with it
@@ -152,6 +151,7 @@ fn cancel_before_it_starts<C: Send + 'static>(exec: &Executor, capture: C) {
     assert!(never_run.join().unwrap_err().is_cancelled());
 }
 
+/// Panics when dropped.
 struct Bomb;
 
 impl Drop for Bomb {

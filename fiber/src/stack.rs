@@ -291,12 +291,13 @@ impl StackPool {
     fn map_after_releasing_idle(&self, usable: usize, failed: StackError) -> Result<FiberStack, StackError> {
         let idle = {
             let mut cache = self.lock();
+            // Emptied sizes stay listed: the count says whether a stack is.
+            if cache.count == 0 {
+                return Err(failed);
+            }
             cache.count = 0;
             std::mem::take(&mut cache.by_size)
         };
-        if idle.is_empty() {
-            return Err(failed);
-        }
         drop(idle); // munmap outside the lock
         FiberStack::new(usable)
     }
