@@ -459,6 +459,11 @@ fn wait_quiescent(shared: &Shared) {
 fn stop_started_workers(shared: &Shared) {
     shared.exit.store(true, Ordering::SeqCst);
     shared.wake_all();
+    join_workers(shared);
+}
+
+/// Joins every worker thread started so far (after `exit` was set).
+fn join_workers(shared: &Shared) {
     let threads = std::mem::take(&mut *shared.threads.lock());
     for t in threads {
         let _ = t.join();
@@ -489,10 +494,7 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
     if let Some(s) = sysmon {
         let _ = s.join();
     }
-    let threads = std::mem::take(&mut *shared.threads.lock());
-    for t in threads {
-        let _ = t.join();
-    }
+    join_workers(shared);
     // Jobs that never started: drop them and fail their joins.
     for q in shared.global.iter() {
         while let Some(job) = crate::shared::steal_one(q) {
