@@ -313,6 +313,14 @@ impl<T> Inner<T> {
 /// [`leaked_stacks`](crate::leaked_stacks) counts it. Drop such fibers on
 /// their own thread, or let them finish first.
 ///
+/// A handle is a counted reference, as an `Arc` is: a suspended fiber that
+/// keeps a handle to itself on its own stack (a clone of its `Fiber`, or a
+/// [`Waiter::current`](crate::Waiter::current) it never gave away) is a
+/// reference cycle. Dropping every other handle then releases nothing: the
+/// fiber stays suspended, its locals are never dropped and its stack stays
+/// mapped (not counted by `leaked_stacks`). Give such handles away (to a
+/// wait list, a queue) or drop them before suspending.
+///
 /// The unwind of a dropped fiber is a Rust unwind through its stack, and
 /// aborts the process where any unwind would: a destructor on that stack
 /// that panics (a panic during cleanup), or a suspension point inside an
@@ -345,6 +353,14 @@ impl<T> Inner<T> {
 /// values and thread-local references. A function set with the unsafe
 /// [`set_function_migratable`](Fiber::set_function_migratable) may resume on
 /// any thread. See DESIGN.md, "Soundness".
+///
+/// Do not suspend inside the lazy initializer of a `thread_local!`. std
+/// assumes that an initializer cannot be interleaved with a `with` of the
+/// same key on its thread; a fiber that yields there lets the thread (or
+/// another fiber) initialize the key and borrow the value, which the
+/// suspended initializer then replaces and frees when it finishes. This is
+/// a known gap in the safety of the API (DESIGN.md, "Known gaps"), shared
+/// with every stackful coroutine.
 ///
 /// ```compile_fail,E0277
 /// // Captured values must be Send: an Rc could be reached from two threads.
@@ -1353,12 +1369,7 @@ impl<T> Drop for Inner<T> {
                         // and the stack are leaked.
                         let _ = ManuallyDrop::new(coro);
                         crate::report::note_leaked_stack();
-                        let current = crate::current::current_header();
-                        // SAFETY: a non-null current fiber is the one
-                        // running on this thread, alive while it runs.
-                        let dropping_current = unsafe { current.as_ref() }
-                            .is_some_and(|h| h.unwinding_for_drop.load(Ordering::Relaxed));
-                        if dropping_current && !std::thread::panicking() {
+                        if crate::report::unwinding_current_for_drop() {
                             std::panic::resume_unwind(payload);
                         }
                         crate::report::drop_payload(payload);

@@ -23,10 +23,31 @@ pub fn leaked_stacks() -> u64 {
 /// A payload whose own drop panics (`panic_any` of a value whose `Drop`
 /// panics) would otherwise unwind out of the code that contained the
 /// first panic; that second payload is leaked instead.
+///
+/// One unwind is passed on: a payload whose drop suspended the running
+/// fiber, which was then dropped, comes back with that fiber's forced
+/// unwind, and the unwind must go on through the fiber's frames (its code
+/// after this drop would otherwise run inside its own drop).
 pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
     if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload))) {
+        if unwinding_current_for_drop() {
+            std::panic::resume_unwind(again);
+        }
         std::mem::forget(again);
     }
+}
+
+/// Whether an unwind just caught in the running fiber must be passed on:
+/// the fiber is being unwound because it was dropped (a suspension in the
+/// code that panicked came back with the forced unwind), and the thread is
+/// not unwinding from another panic (passing it on would abort).
+pub(crate) fn unwinding_current_for_drop() -> bool {
+    let current = crate::current::current_header();
+    // SAFETY: a non-null current fiber is the one running on this thread,
+    // alive while it runs.
+    let dropping = unsafe { current.as_ref() }
+        .is_some_and(|h| h.unwinding_for_drop.load(std::sync::atomic::Ordering::Relaxed));
+    dropping && !std::thread::panicking()
 }
 
 /// Installs (once) a panic hook that says which fiber panicked, then calls

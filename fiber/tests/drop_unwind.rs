@@ -845,3 +845,89 @@ fn a_capture_whose_drop_panics_twice_does_not_panic_out_of_the_fibers_drop() {
         "the closure's stack is leaked and counted"
     );
 }
+
+/// A payload whose drop suspends the fiber that drops it (a `panic_any` of
+/// a value whose `Drop` yields).
+struct SuspendsWhoeverDrops;
+impl Drop for SuspendsWhoeverDrops {
+    fn drop(&mut self) {
+        yield_now();
+    }
+}
+
+/// Panics with a `SuspendsWhoeverDrops` payload when dropped.
+struct PanicsWithAYieldingPayload;
+impl Drop for PanicsWithAYieldingPayload {
+    fn drop(&mut self) {
+        std::panic::panic_any(SuspendsWhoeverDrops);
+    }
+}
+
+/// Runs `body` in fiber X until its first suspension, drops X there, and
+/// checks that X's forced unwind went through all its frames: its code
+/// after the suspension never ran, and its local was dropped once.
+fn dropped_while_suspended_in_a_payload_drop(name: &str, body: fn()) {
+    static AFTER_RAN: AtomicBool = AtomicBool::new(false);
+    let local_drops = counter();
+    let x = Fiber::<()>::new(FiberAttr::new().name(name)).unwrap();
+    let d = local_drops.clone();
+    AFTER_RAN.store(false, Ordering::SeqCst);
+    x.set_function(Priority::NORMAL, move || {
+        let _local = DropCounter(d);
+        body();
+        AFTER_RAN.store(true, Ordering::SeqCst);
+    })
+    .unwrap();
+    assert!(
+        matches!(x.run().unwrap(), RunOutcome::Yielded(0)),
+        "{name}: X suspends in the payload's drop"
+    );
+    drop(x);
+    assert!(
+        !AFTER_RAN.load(Ordering::SeqCst),
+        "{name}: X's code after the suspension ran inside X's own drop (its forced unwind was caught)"
+    );
+    assert_eq!(
+        local_drops.load(Ordering::SeqCst),
+        1,
+        "{name}: X's local dropped once"
+    );
+}
+
+/// A fiber X drops a suspended fiber D whose forced unwind is caught and
+/// panics; the panic's payload, dropped by X, suspends X. Dropping X then
+/// must unwind X, not let it go on inside its own drop.
+#[test]
+fn a_fiber_suspended_in_the_drop_of_a_contained_payload_is_unwound_when_dropped() {
+    let _serial = leak_count_lock();
+    with_watchdog(30, "payload_drop_suspends_release", || {
+        dropped_while_suspended_in_a_payload_drop("X (release)", || {
+            let d = Fiber::<PanicsWithAYieldingPayload>::new(FiberAttr::new().name("D")).unwrap();
+            d.set_function(Priority::NORMAL, || {
+                // Catches D's forced unwind and returns: the forced unwind
+                // drops the value, whose drop panics with a payload that
+                // suspends whoever drops it.
+                let _ = std::panic::catch_unwind(yield_now);
+                PanicsWithAYieldingPayload
+            })
+            .unwrap();
+            assert!(matches!(d.run().unwrap(), RunOutcome::Yielded(0)));
+            drop(d); // X suspends in here
+        });
+    });
+}
+
+/// The same through an unstarted fiber's closure: a capture whose drop
+/// panics with a payload that suspends the dropping fiber.
+#[test]
+fn a_fiber_suspended_in_the_drop_of_a_captures_payload_is_unwound_when_dropped() {
+    let _serial = leak_count_lock();
+    with_watchdog(30, "payload_drop_suspends_unstarted", || {
+        dropped_while_suspended_in_a_payload_drop("X (unstarted)", || {
+            let f = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            let capture = PanicsWithAYieldingPayload;
+            f.set_function(Priority::NORMAL, move || drop(capture)).unwrap();
+            drop(f); // X suspends in here
+        });
+    });
+}
