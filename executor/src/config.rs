@@ -59,7 +59,7 @@ pub enum OnDeadlock {
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     warn!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use std::time::Duration;
@@ -224,7 +224,7 @@ impl Builder {
             std::env::var("SPINDLE_WORKERS").ok().and_then(|v| match v.trim().parse::<usize>() {
                 Ok(n) if n <= MAX_WORKERS => Some(n),
                 _ => {
-                    eprintln!(
+                    warn!(
                         "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers up to \
                          {MAX_WORKERS}; using the default, one per available core"
                     );

@@ -38,7 +38,7 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     warn!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use spindle_executor::Executor;
@@ -64,7 +64,7 @@ pub struct Handle {
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     warn!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use spindle_executor::{Executor, Priority, SpawnOptions};
@@ -234,7 +234,7 @@ impl Handle {
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
     /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     warn!("watchdog: this example did not finish within 60 s");
     /// #     std::process::exit(1)
     /// # });
     /// use spindle_executor::{Executor, Handle};
@@ -265,7 +265,7 @@ impl Handle {
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
     /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     warn!("watchdog: this example did not finish within 60 s");
     /// #     std::process::exit(1)
     /// # });
     /// use spindle_executor::{Executor, Handle};
@@ -442,7 +442,7 @@ fn wait_quiescent(shared: &Shared) {
             last = None;
         }
         if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
-            eprintln!(
+            warn!(
                 "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
                  (a fiber that never yields keeps its worker busy; so does one that catches the \
                  cancellation unwind with catch_unwind and goes on: let it resume_unwind)"
@@ -502,7 +502,7 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
         }
     }
     if shared.config.stats_at_shutdown {
-        eprintln!("spindle-executor stats: {:?}", handle.stats());
+        warn!("spindle-executor stats: {:?}", handle.stats());
     }
 }
 
@@ -524,7 +524,7 @@ impl Drop for Executor {
                     .name("spindle-shutdown".into())
                     .spawn(move || shut_down(handle, sysmon));
                 if let Err(e) = spawned {
-                    eprintln!(
+                    warn!(
                         "spindle-executor: cannot start a thread to shut down the executor dropped \
                          on one of its own threads ({e}); its threads are left running"
                     );

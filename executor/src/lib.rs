@@ -147,6 +147,16 @@ macro_rules! trace_event {
 }
 pub(crate) use trace_event;
 
+/// `eprintln!` that cannot panic: a warning printed from a library thread
+/// or a drop must not fail (and kill that thread) when stderr is closed,
+/// as in `program 2>&1 | head -1`.
+macro_rules! warn {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod config;
 mod executor;
 mod ops;

@@ -182,7 +182,7 @@ pub(crate) fn scale_up(shared: &Arc<Shared>) {
         if let Err(e) = activate(shared, i) {
             // Out of threads: grow as far as we got, and try again later.
             static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| eprintln!("spindle-executor: cannot add a worker thread for now ({e})"));
+            WARNED.call_once(|| warn!("spindle-executor: cannot add a worker thread for now ({e})"));
             target = i;
             break;
         }
@@ -271,7 +271,7 @@ fn report_deadlock(shared: &Shared) {
         );
     }
     shared.stats.deadlocks.fetch_add(1, Ordering::Relaxed);
-    eprintln!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
+    warn!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
     match shared.config.on_deadlock {
         OnDeadlock::Abort => std::process::abort(),
         OnDeadlock::Report | OnDeadlock::Ignore => return,

@@ -404,7 +404,7 @@ impl Worker {
                         }
                         static WARNED: std::sync::Once = std::sync::Once::new();
                         WARNED.call_once(|| {
-                            eprintln!(
+                            warn!(
                                 "spindle-executor: cannot start more fibers for now ({e}); \
                                  jobs wait until running fibers finish"
                             )

@@ -68,6 +68,16 @@
 #[cfg(not(unix))]
 compile_error!("spindle-fiber supports unix targets only (mmap'd stacks, signal-based overflow reports)");
 
+/// `eprintln!` that cannot panic: a warning printed from a library thread
+/// or a drop must not fail (and kill that thread) when stderr is closed,
+/// as in `program 2>&1 | head -1`.
+macro_rules! warn {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod current;
 mod error;
 mod fiber;

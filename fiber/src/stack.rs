@@ -237,7 +237,7 @@ impl StackPool {
         GLOBAL.get_or_init(|| {
             let cap = match std::env::var("SPINDLE_STACK_POOL") {
                 Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-                    eprintln!(
+                    warn!(
                         "spindle-fiber: SPINDLE_STACK_POOL={v:?} is not a number of stacks; \
                          using the default, {DEFAULT_POOL_CAPACITY}"
                     );

@@ -228,7 +228,7 @@ struct Linked<'a, S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> {
 impl<S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
     fn drop(&mut self) {
         if !self.node.done.load(Ordering::Acquire) {
-            eprintln!(
+            warn!(
                 "spindle-sync: a fiber was unwound while waiting on a primitive; its wait node is \
                  still linked, aborting (this is a bug in spindle: please report it)"
             );

@@ -197,3 +197,25 @@ pub fn cap_address_space(extra: u64) {
     // SAFETY: setrlimit with a valid struct; it affects this process only.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0, "setrlimit(RLIMIT_AS)");
 }
+
+/// Points the calling process's stderr at a pipe whose reading end is
+/// closed, so that every later write to stderr fails with `EPIPE` (Rust
+/// ignores `SIGPIPE`), as under `program 2>&1 | head -1` once `head` has
+/// exited. For child processes ([`run_child_watched`]): nothing written to
+/// stderr afterwards reaches the parent.
+///
+/// # Panics
+///
+/// If `pipe` or `dup2` fails.
+pub fn break_stderr() {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe() writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe()");
+    // SAFETY: closing and duplicating descriptors this function owns; fd 2
+    // is replaced atomically by dup2.
+    unsafe {
+        libc::close(fds[0]);
+        assert_eq!(libc::dup2(fds[1], 2), 2, "dup2(pipe, stderr)");
+        libc::close(fds[1]);
+    }
+}
