@@ -59,7 +59,7 @@ pub enum OnDeadlock {
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     warn!("watchdog: this example did not finish within 60 s");
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use std::time::Duration;

@@ -38,7 +38,7 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     warn!("watchdog: this example did not finish within 60 s");
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use spindle_executor::Executor;
@@ -64,7 +64,7 @@ pub struct Handle {
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
 /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-/// #     warn!("watchdog: this example did not finish within 60 s");
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
 /// #     std::process::exit(1)
 /// # });
 /// use spindle_executor::{Executor, Priority, SpawnOptions};
@@ -234,7 +234,7 @@ impl Handle {
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
     /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-    /// #     warn!("watchdog: this example did not finish within 60 s");
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
     /// #     std::process::exit(1)
     /// # });
     /// use spindle_executor::{Executor, Handle};
@@ -265,7 +265,7 @@ impl Handle {
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
     /// #     std::thread::sleep(std::time::Duration::from_secs(60));
-    /// #     warn!("watchdog: this example did not finish within 60 s");
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
     /// #     std::process::exit(1)
     /// # });
     /// use spindle_executor::{Executor, Handle};
