@@ -270,6 +270,13 @@ fn report_deadlock(shared: &Shared) {
              keeps waiting)"
         );
     }
+    // The joins this report fails are taken before it is counted: a join
+    // that blocks once the count is up is in an episode of its own, which
+    // a caller that waited for the count can rely on.
+    let joiners = match shared.config.on_deadlock {
+        OnDeadlock::FailJoin => std::mem::take(&mut *shared.blocked_joiners.lock()),
+        _ => Vec::new(),
+    };
     shared.stats.deadlocks.fetch_add(1, Ordering::Relaxed);
     warn!("spindle-executor: deadlock detected; sleeping fibers:\n{report}");
     match shared.config.on_deadlock {
@@ -277,7 +284,6 @@ fn report_deadlock(shared: &Shared) {
         OnDeadlock::Report | OnDeadlock::Ignore => return,
         OnDeadlock::FailJoin => {}
     }
-    let joiners = std::mem::take(&mut *shared.blocked_joiners.lock());
     for task in joiners {
         // A task that completed meanwhile (its joiner not yet off the list)
         // keeps its own outcome: checked under the error's lock, which its
