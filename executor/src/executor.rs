@@ -587,6 +587,19 @@ impl<T> JoinHandle<T> {
     }
 }
 
+/// Dropping the handle detaches the fiber: a value it has already
+/// returned is dropped here, one it returns later is dropped on its own
+/// fiber as it returns (so a `Drop` of the value that waits never blocks a
+/// worker thread).
+impl<T> Drop for JoinHandle<T> {
+    fn drop(&mut self) {
+        self.task.detached.store(true, Ordering::Relaxed);
+        // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
+        let value = unsafe { self.task.prefix::<T>() }.result.lock().take();
+        drop(value);
+    }
+}
+
 impl<T: Send> JoinHandle<T> {
     /// Waits for the fiber and returns its value, or why there is none.
     ///

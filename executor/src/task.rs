@@ -235,6 +235,10 @@ pub(crate) struct TaskHead {
     pub(crate) unwinding: AtomicBool,
     /// Set once when the task is complete (value or error stored).
     pub(crate) finished: AtomicBool,
+    /// Set when the `JoinHandle` is dropped: the value is then dropped by
+    /// the handle's drop or by the fiber that made it, never left for the
+    /// last reference (which may be a worker thread, outside any fiber).
+    pub(crate) detached: AtomicBool,
     /// Released once on completion, and by deadlock detection.
     pub(crate) done: Semaphore,
     /// Boxed: errors are rare and the head stays small.
@@ -265,11 +269,13 @@ pub(crate) struct TaskPrefix<T> {
 
 /// A task: one allocation holding its head, its value slot and its closure.
 ///
-/// Whatever the task still holds when the last reference goes (a value
-/// nobody joined, a closure that never ran, a panic payload) is dropped
-/// then, wherever that is (often a worker thread, outside any fiber), so
-/// its destructors are contained: a panic there is reported by the panic
-/// hook and goes no further.
+/// Whatever the task still holds when the last reference goes (a closure
+/// that never ran, a panic payload, a value whose handle is still alive
+/// but leaked) is dropped then, wherever that is (often a worker thread,
+/// outside any fiber), so its destructors are contained: a panic there is
+/// reported by the panic hook and goes no further. A value whose handle
+/// was dropped is dropped by the handle or by its fiber instead (see
+/// `TaskHead::detached`).
 #[repr(C)]
 pub(crate) struct TaskCell<T, F> {
     head: TaskHead,
@@ -305,6 +311,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
                 cancelled: AtomicBool::new(false),
                 unwinding: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
+                detached: AtomicBool::new(false),
                 done: Semaphore::new(0),
                 error: Mutex::new(None),
                 sleep: Mutex::new(SleepSlot::default()),
@@ -336,6 +343,19 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
         let f = unsafe { (*cell.job.get()).take() }.expect("a task's closure runs once");
         let value = f();
         *cell.result.lock() = Some(value);
+        // Nobody will join it: drop it here, on the fiber, where a `Drop`
+        // that waits (joins another task, say) puts this fiber to sleep.
+        // Left in the cell, it would be dropped with the last reference,
+        // often by the worker after the fiber ends: a wait there blocks the
+        // worker thread, and with it every fiber pinned to that worker,
+        // possibly the very one the wait is for (found by an adversarial
+        // run). Either this look or the handle's drop takes the value: the
+        // handle sets `detached` before it locks `result`, so if its lock
+        // came first, this look (after ours) sees the flag.
+        if cell.head.detached.load(Ordering::Relaxed) {
+            let value = cell.result.lock().take();
+            drop(value);
+        }
     }
 
     unsafe fn drop_job(h: NonNull<TaskHead>) {

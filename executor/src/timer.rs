@@ -286,6 +286,10 @@ mod tests {
         }
     }
 
+    /// A panic payload that records the thread it is dropped on. (A panic
+    /// payload nobody joined is dropped with the task's last reference; a
+    /// value nobody joined is dropped on its own fiber once its handle is
+    /// gone, so it cannot show where the last reference went.)
     struct RecordsDropThread(mpsc::Sender<String>);
     impl Drop for RecordsDropThread {
         fn drop(&mut self) {
@@ -299,7 +303,7 @@ mod tests {
     /// stalled between taking the entry and firing it) does not hold the
     /// task's last reference once the fiber goes on and finishes: the
     /// fiber's removal of its timer waits for that firing, so the task's
-    /// unjoined value is dropped on its worker, not on sysmon.
+    /// unjoined panic payload is dropped on its worker, not on sysmon.
     #[test]
     fn a_sleep_timer_taken_as_a_wake_ends_the_sleep_does_not_drop_the_value_on_sysmon() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -316,7 +320,7 @@ mod tests {
                 .recv_timeout(Duration::from_secs(30))
                 .expect("the test sends the task's handle");
             // End the sleep another way, and let go of the task.
-            crate::JoinHandle::<RecordsDropThread>::wake(&handle);
+            crate::JoinHandle::<()>::wake(&handle);
             drop(handle);
             stall_until_done_or_waiting(&after_rx.lock().unwrap());
         }));
@@ -326,19 +330,20 @@ mod tests {
             crate::sleep(Duration::from_millis(1));
             // Runs once this task has ended (one worker, no yield before).
             drop(spawn(move || after_tx.send(()).unwrap()));
-            RecordsDropThread(drop_tx)
+            std::panic::panic_any(RecordsDropThread(drop_tx))
         });
         handle_tx.send(handle).unwrap();
-        let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
+        let thread =
+            drop_rx.recv_timeout(Duration::from_secs(30)).expect("the panic payload was never dropped");
         *SLEEP_ENTRY_TAKEN.lock().unwrap() = None;
-        assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
+        assert_ne!(thread, "spindle-sysmon", "the task's unjoined panic payload was dropped on sysmon");
         assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the fiber did not meet the firing in flight");
     }
 
     /// An `interrupt_after` deadline that sysmon takes out of the map just
     /// as its call ends holds no reference to the task that could be its
-    /// last: the task's unjoined value is dropped where the task ends, on
-    /// its worker, not on sysmon after the fiber is gone. (Sysmon is
+    /// last: the task's unjoined panic payload is dropped where the task
+    /// ends, on its worker, not on sysmon after the fiber is gone. (Sysmon is
     /// stalled here between taking the entry and firing it. The call's end
     /// waits for that firing now, which then interrupts the fiber, and the
     /// call's end clears the mark; before the wait, the call took the
@@ -367,11 +372,12 @@ mod tests {
             });
             // Runs once this task has ended (one worker, no yield before).
             drop(spawn(move || after_tx.send(()).unwrap()));
-            RecordsDropThread(drop_tx)
+            std::panic::panic_any(RecordsDropThread(drop_tx))
         }));
-        let thread = drop_rx.recv_timeout(Duration::from_secs(30)).expect("the value was never dropped");
+        let thread =
+            drop_rx.recv_timeout(Duration::from_secs(30)).expect("the panic payload was never dropped");
         *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = None;
-        assert_ne!(thread, "spindle-sysmon", "the task's unjoined value was dropped on sysmon");
+        assert_ne!(thread, "spindle-sysmon", "the task's unjoined panic payload was dropped on sysmon");
         assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the call's end did not meet the firing in flight");
     }
 }

@@ -256,8 +256,8 @@ fn a_value_dropped_by_a_worker_that_spawns_and_joins_completes() {
         let (handle, joined) = (exec.handle(), Arc::new(AtomicU64::new(0)));
         let handle_dropped = Arc::new(Semaphore::new(0));
         let (go, j) = (handle_dropped.clone(), joined.clone());
-        // Detached: its value is dropped by whoever drops the task last,
-        // which is the worker once the handle is gone before it returns.
+        // Detached: its value is dropped by the fiber that returns it, once
+        // the handle is gone before it returns.
         drop(exec.spawn(move || {
             go.acquire();
             SpawnsAndJoinsOnDrop(handle, j)
@@ -270,5 +270,98 @@ fn a_value_dropped_by_a_worker_that_spawns_and_joins_completes() {
         assert_eq!(joined.load(Ordering::SeqCst), 7);
         stage.set("the executor runs other work afterwards");
         assert_eq!(exec.block_on(|| 1).unwrap(), 1);
+    });
+}
+
+/// A detached fiber's value whose `Drop` joins another fiber started on
+/// the same worker: the value is dropped on the fiber that returned it, so
+/// the join puts that fiber to sleep and the worker runs the other one. (It
+/// was dropped by the worker thread after the fiber ended, outside any
+/// fiber: the join blocked the worker, and the fiber it waited for, pinned
+/// to that worker, never ran again.)
+#[test]
+fn a_detached_value_whose_drop_joins_a_fiber_of_the_same_worker_completes() {
+    use spindle_executor::sync::Semaphore;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    struct JoinsOnDrop(Option<JoinHandle<u64>>, Arc<AtomicBool>, Arc<AtomicU64>);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+            let got = self.0.take().unwrap().join().expect("the child finishes");
+            self.2.store(got, Ordering::SeqCst);
+        }
+    }
+    watchdog("a_detached_value_whose_drop_joins_a_fiber_of_the_same_worker_completes", 60, |stage| {
+        // One worker and no scaling: every fiber is on that worker.
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let gate = Arc::new(Semaphore::new(0));
+        let child_started = Arc::new(Semaphore::new(0));
+        let detached = Arc::new(Semaphore::new(0));
+        let (joining, joined) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let parent = {
+            let (gate, child_started, detached) = (gate.clone(), child_started.clone(), detached.clone());
+            let (joining, joined) = (joining.clone(), joined.clone());
+            exec.spawn(move || {
+                let started = child_started.clone();
+                let child = spawn(move || {
+                    started.release(1);
+                    gate.acquire();
+                    7
+                });
+                // The child has started, so it is pinned to this worker.
+                child_started.acquire();
+                detached.acquire();
+                JoinsOnDrop(Some(child), joining, joined)
+            })
+        };
+        drop(parent);
+        detached.release(1);
+        stage.set("waiting for the value's drop to start joining");
+        while !joining.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        gate.release(1);
+        stage.set("waiting for the value's drop to join the child (a hang here: the worker blocked)");
+        while joined.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(joined.load(Ordering::SeqCst), 7);
+        assert_eq!(exec.block_on(|| 1).unwrap(), 1, "the worker runs other work afterwards");
+    });
+}
+
+/// The same as `a_value_dropped_by_a_worker_that_spawns_and_joins_completes`
+/// with scaling off: no other worker can be added to run the job the
+/// value's drop spawns, so the drop must not block the only worker.
+#[test]
+fn a_detached_value_whose_drop_spawns_and_joins_completes_without_scaling() {
+    use spindle_executor::sync::Semaphore;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    struct SpawnsAndJoinsOnDrop(Handle, Arc<AtomicU64>);
+    impl Drop for SpawnsAndJoinsOnDrop {
+        fn drop(&mut self) {
+            let got = self.0.spawn(|| 7).join().expect("the job spawned in the drop ran");
+            self.1.store(got, Ordering::SeqCst);
+        }
+    }
+    watchdog("a_detached_value_whose_drop_spawns_and_joins_completes_without_scaling", 60, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let (handle, joined) = (exec.handle(), Arc::new(AtomicU64::new(0)));
+        let handle_dropped = Arc::new(Semaphore::new(0));
+        let (go, j) = (handle_dropped.clone(), joined.clone());
+        drop(exec.spawn(move || {
+            go.acquire();
+            SpawnsAndJoinsOnDrop(handle, j)
+        }));
+        handle_dropped.release(1);
+        stage.set("waiting for the value's drop to spawn and join (a hang here: the worker blocked)");
+        while joined.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(joined.load(Ordering::SeqCst), 7);
     });
 }
