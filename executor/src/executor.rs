@@ -596,7 +596,15 @@ impl<T> Drop for JoinHandle<T> {
         self.task.detached.store(true, Ordering::Relaxed);
         // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
         let value = unsafe { self.task.prefix::<T>() }.result.lock().take();
-        drop(value);
+        if value.is_some() && std::thread::panicking() {
+            // A handle dropped while its thread unwinds: a panic of the
+            // value's drop would abort the process. Contained instead.
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(value))) {
+                crate::task::drop_payload(payload);
+            }
+        } else {
+            drop(value);
+        }
     }
 }
 

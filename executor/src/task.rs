@@ -376,10 +376,26 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
 /// (`panic_any` of a value whose `Drop` panics) escape: that second
 /// payload is leaked. A worker contains the first panic of a value's or a
 /// closure's drop this way, and must not die of the second.
+///
+/// One unwind is passed on: a payload whose drop suspended the running
+/// fiber, which was then dropped, comes back with that fiber's forced
+/// unwind, which must go on through the fiber's frames (its code after
+/// this drop would otherwise run inside its own drop).
 pub(crate) fn drop_payload(payload: Box<dyn Any + Send>) {
     if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        if unwinding_current_for_drop() {
+            std::panic::resume_unwind(again);
+        }
         std::mem::forget(again);
     }
+}
+
+/// Whether an unwind just caught must be passed on because it is the
+/// running fiber's forced unwind: the fiber is being unwound because it
+/// was dropped (it cannot sleep), and the thread is not unwinding from
+/// another panic (passing it on would abort).
+fn unwinding_current_for_drop() -> bool {
+    spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() && !std::thread::panicking()
 }
 
 impl<T, F> Drop for TaskCell<T, F> {
@@ -404,8 +420,16 @@ impl<T, F> Drop for TaskCell<T, F> {
             _ => None,
         };
         // Contained (see the type's docs); the panic hook has reported it.
+        let mut forced_unwind = None;
         let panicked = match catch_unwind(AssertUnwindSafe(|| drop((result, job, error)))) {
             Ok(()) => false,
+            // A drop above suspended the fiber this runs on, which was
+            // then dropped: its forced unwind goes on (after the scope is
+            // told, below), as in `drop_payload`.
+            Err(payload) if unwinding_current_for_drop() => {
+                forced_unwind = Some(payload);
+                false
+            }
             Err(payload) => {
                 drop_payload(payload);
                 true
@@ -422,6 +446,9 @@ impl<T, F> Drop for TaskCell<T, F> {
             };
             // Only now: nothing of the task's can touch the scope's borrows.
             scope.done(what);
+        }
+        if let Some(payload) = forced_unwind {
+            std::panic::resume_unwind(payload);
         }
     }
 }

@@ -171,7 +171,7 @@ fn a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running() {
             fiber_go.acquire();
             Bomb
         });
-        drop(h); // the worker drops the value when the fiber returns
+        drop(h); // the fiber drops the value as it returns: a panic of its own
         go.release(1);
         stage.set("the only worker still runs fibers");
         assert_eq!(exec.block_on(|| 1).unwrap(), 1);
@@ -227,5 +227,83 @@ fn a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running() {
         assert_eq!(exec.block_on(|| 3).unwrap(), 3, "the worker runs on after the closure's drop");
         stage.set("shutdown");
         drop(exec);
+    });
+}
+
+/// A `JoinHandle` dropped while its thread unwinds from another panic,
+/// holding a value whose drop panics: the value's panic is contained (a
+/// second panic while unwinding would abort the process), and the
+/// thread's own panic goes on.
+#[test]
+fn a_handle_dropped_while_its_thread_unwinds_contains_its_values_panicking_drop() {
+    watchdog("a_handle_dropped_while_its_thread_unwinds_contains_its_values_panicking_drop", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let h = exec.spawn(|| Bomb);
+        stage.set("waiting for the fiber to return its value");
+        while !h.is_finished() {
+            std::thread::yield_now();
+        }
+        stage.set("unwinding with the handle alive");
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _handle = h;
+            std::panic::panic_any("the thread's own panic")
+        }));
+        let payload = unwound.expect_err("the thread's panic goes on");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"the thread's own panic"));
+        assert_eq!(exec.block_on(|| 1).unwrap(), 1);
+    });
+}
+
+/// A hand-driven fiber that drops the last reference to a task whose
+/// panic nobody joined, with a payload whose drop suspends that fiber:
+/// when the fiber is then dropped, its forced unwind goes on through its
+/// frames (the task's drop used to catch it, and the fiber's code after
+/// the drop ran inside its own drop).
+#[test]
+fn a_fiber_suspended_in_the_drop_of_a_tasks_payload_is_unwound_when_dropped() {
+    use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    struct SuspendsWhoeverDrops;
+    impl Drop for SuspendsWhoeverDrops {
+        fn drop(&mut self) {
+            spindle_fiber::yield_now();
+        }
+    }
+    struct CountsDrops(Arc<AtomicUsize>);
+    impl Drop for CountsDrops {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    watchdog("a_fiber_suspended_in_the_drop_of_a_tasks_payload_is_unwound_when_dropped", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let h = exec.spawn(|| std::panic::panic_any(SuspendsWhoeverDrops));
+        stage.set("waiting for the fiber to panic");
+        while !h.is_finished() {
+            std::thread::yield_now();
+        }
+        // Its workers are joined: the handle holds the task's last reference.
+        drop(exec);
+        let (after_ran, local_drops) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let x = Fiber::<()>::new(FiberAttr::new().name("X")).unwrap();
+        {
+            let (after_ran, local) = (after_ran.clone(), CountsDrops(local_drops.clone()));
+            x.set_function(Priority::NORMAL, move || {
+                let _local = local;
+                drop(h); // the payload's drop suspends X in here
+                after_ran.store(true, Ordering::SeqCst);
+            })
+            .unwrap();
+        }
+        stage.set("running X until the payload's drop suspends it");
+        assert!(matches!(x.run().unwrap(), RunOutcome::Yielded(0)), "X suspends in the payload's drop");
+        drop(x);
+        assert!(
+            !after_ran.load(Ordering::SeqCst),
+            "X's code after the drop ran inside X's own drop (its forced unwind was caught)"
+        );
+        assert_eq!(local_drops.load(Ordering::SeqCst), 1, "X's local was dropped once");
     });
 }
