@@ -207,9 +207,13 @@ impl Executor {
     /// # Panics
     ///
     /// If `f` panics (after the scoped fibers are done), or if a scoped
-    /// fiber panicked, was cancelled or never started (`JoinError::NoStack`)
-    /// and nobody joined its handle, as
-    /// `std::thread::scope` does.
+    /// fiber panicked, was cancelled after it started, or never started for
+    /// want of a stack (`JoinError::NoStack`), and nobody joined its handle,
+    /// as `std::thread::scope` does. (A job cancelled before it started
+    /// never ran: that is not reported.) A scope in a fiber that was itself
+    /// cancelled, or whose executor is shutting down, unwinds as cancelled
+    /// instead, as at a cancellation point.
+    #[track_caller]
     pub fn scope<'env, F, R>(&self, f: F) -> R
     where
         F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
@@ -253,6 +257,7 @@ impl Handle {
     /// # Panics
     ///
     /// As [`Executor::scope`].
+    #[track_caller]
     pub fn scope<'env, F, R>(&self, f: F) -> R
     where
         F: for<'scope> FnOnce(&'scope crate::Scope<'scope, 'env>) -> R,
@@ -623,7 +628,9 @@ impl<T: Send> JoinHandle<T> {
     ///
     /// # Panics
     ///
-    /// A cancelled fiber calling `join` unwinds (a cancellation point).
+    /// A cancelled fiber calling `join` on a fiber that has not finished
+    /// unwinds (a cancellation point); a finished fiber's outcome is
+    /// returned at once.
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
         let task = &self.task;

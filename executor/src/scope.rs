@@ -216,6 +216,7 @@ fn options_priority(o: &SpawnOptions) -> spindle_fiber::Priority {
 static SCOPE_WAIT: spindle_fiber::WaitReason =
     spindle_fiber::WaitReason("the end of a scope's fibers (Executor::scope)");
 
+#[track_caller]
 pub(crate) fn scope<'env, F, R>(handle: &Handle, f: F) -> R
 where
     F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> R,
@@ -274,6 +275,10 @@ where
     match result {
         Err(payload) => resume_unwind(payload),
         Ok(_) if state.unwound.load(Ordering::Acquire) > 0 => {
+            // A scope in a fiber that was cancelled, or whose executor is
+            // shutting down (which cancels the scoped fibers too), ends as
+            // cancelled: its join says `Cancelled`, not that it panicked.
+            crate::ops::check_cancel();
             let n = state.unwound.load(Ordering::Acquire);
             let first = state.first_unwound.lock().take().unwrap_or_default();
             let more = if n > 1 { format!(" (and {} more)", n - 1) } else { String::new() };

@@ -373,3 +373,35 @@ fn a_report_of_many_sleeping_fibers_is_bounded() {
         drop(exec);
     });
 }
+
+/// A fiber waiting in a scope is reported at the caller's `scope` call, not
+/// at a line inside spindle (`scope` and its inner wait pass the caller's
+/// location on).
+#[test]
+fn a_fiber_waiting_in_a_scope_is_reported_at_the_callers_line() {
+    watchdog("a_fiber_waiting_in_a_scope_is_reported_at_the_callers_line", 30, |stage| {
+        let exec = Executor::builder().workers(1).deadlock_grace(Duration::from_millis(50)).build();
+        let never = Arc::new(Semaphore::new(0));
+        let site = Arc::new(Mutex::new(String::new()));
+        let h = {
+            let (never, site) = (Arc::clone(&never), Arc::clone(&site));
+            exec.spawn_with(SpawnOptions::new().name("owner"), move || {
+                let handle = spindle_executor::Handle::current().unwrap();
+                *site.lock().unwrap() = format!("{}:{}:", file!(), line!() + 1);
+                handle.scope(|s| {
+                    s.spawn(|| never.acquire());
+                });
+            })
+        };
+        stage.set("joining a fiber whose scope waits for a fiber that waits forever");
+        let err = h.join().expect_err("the scope can never end");
+        assert!(err.is_deadlock(), "{err}");
+        let report = err.to_string();
+        let site = site.lock().unwrap().clone();
+        assert!(
+            report.lines().any(|l| l.contains("'owner'") && l.contains("scope") && l.contains(&site)),
+            "the owner's wait is reported at {site}:\n{report}"
+        );
+        never.release(1);
+    });
+}

@@ -378,3 +378,40 @@ fn drop_interrupts_fibers_in_interruptible_waits() {
         assert_eq!(chan.receivers(), 0);
     });
 }
+
+/// A fiber waiting in a scope for scoped fibers asleep in `sleep`, at
+/// shutdown: the scoped fibers are cancelled, and so is the scope's owner,
+/// whose join says `Cancelled` (it said the fiber panicked, with a panic
+/// report, because the scope found cancelled fibers nobody joined).
+#[test]
+fn a_fiber_waiting_in_a_scope_at_shutdown_is_cancelled() {
+    watchdog("a_fiber_waiting_in_a_scope_at_shutdown_is_cancelled", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let asleep = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let owner = {
+            let asleep = asleep.clone();
+            exec.spawn(move || {
+                let data = [1, 2, 3];
+                spindle_executor::Handle::current().unwrap().scope(|s| {
+                    for x in &data {
+                        let asleep = asleep.clone();
+                        s.spawn(move || {
+                            asleep.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            sleep(Duration::from_secs(60));
+                            *x
+                        });
+                    }
+                });
+                0
+            })
+        };
+        wait_for(&stage, "the scoped fibers to sleep", || {
+            asleep.load(std::sync::atomic::Ordering::SeqCst) == 3
+        });
+        stage.set("dropping the executor, then joining the scope's owner");
+        let joiner = std::thread::spawn(move || owner.join());
+        drop(exec);
+        let err = joiner.join().unwrap().expect_err("the owner was shut down");
+        assert!(err.is_cancelled(), "the scope's owner ends as cancelled, not: {err}");
+    });
+}

@@ -6,7 +6,7 @@
 //! in the guard page of the fiber running on this thread, it prints
 //!
 //! ```text
-//! fiber 'name' (#7) has overflowed its stack (131072 bytes); give it a larger stack (its FiberAttr::stack_size)
+//! fiber 'name' (#7) has overflowed its stack (131072 bytes); give it a larger stack (FiberAttr::stack_size, or the stack size setting of the scheduler that created it)
 //! fatal runtime error: stack overflow in a fiber, aborting
 //! ```
 //!
@@ -152,7 +152,7 @@ fn report(h: &Header) -> ! {
     buf.push_num(h.id.as_u64());
     buf.push(b") has overflowed its stack (");
     buf.push_num(h.stack_size as u64);
-    buf.push(b" bytes); give it a larger stack (its FiberAttr::stack_size)\n");
+    buf.push(b" bytes); give it a larger stack (FiberAttr::stack_size, or the stack size setting of the scheduler that created it)\n");
     buf.push(b"fatal runtime error: stack overflow in a fiber, aborting\n");
     // SAFETY: write(2) and abort(3) are async-signal-safe.
     unsafe {
@@ -234,14 +234,14 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
 
 /// A fixed buffer for the report: no allocation in a signal handler.
 struct Buf {
-    bytes: [u8; 512],
+    bytes: [u8; 768],
     len: usize,
 }
 
 impl Buf {
     fn new() -> Buf {
         Buf {
-            bytes: [0; 512],
+            bytes: [0; 768],
             len: 0,
         }
     }

@@ -61,7 +61,7 @@ fn assert_fiber_report(out: &Output, name: &str) {
         id.as_str(),
         size.as_str(),
         "has overflowed its stack",
-        "give it a larger stack (its FiberAttr::stack_size)",
+        "give it a larger stack (FiberAttr::stack_size, or the stack size setting of the scheduler that created it)",
         "fatal runtime error: stack overflow in a fiber, aborting",
     ] {
         assert!(
