@@ -189,7 +189,9 @@ struct Shared<T> {
 /// A snapshot of a run queue's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RunQueueStats {
-    /// Fibers pushed (by `try_push`, re-queued yields and wakes).
+    /// Fibers pushed (by `try_push`, re-queued yields and wakes, and
+    /// fibers `run_popped` sends back for their own thread): `pushes -
+    /// pops` is the queue's length.
     pub pushes: u64,
     /// Fibers popped.
     pub pops: u64,
@@ -249,6 +251,27 @@ impl<T> fmt::Display for PushError<T> {
                 f,
                 "fiber {} cannot be queued: it is in a queue already (a fiber is in one queue at a \
                  time): pop it from that queue first",
+                fiber.id()
+            ),
+            // The fiber's own messages for these speak of running it.
+            PushError::NotReady(fiber, FiberError::Finished(_)) => write!(
+                f,
+                "fiber {} cannot be queued: its function is over (it returned or panicked): call \
+                 set_function to give it a new one first",
+                fiber.id()
+            ),
+            PushError::NotReady(fiber, FiberError::Running(_)) => write!(
+                f,
+                "fiber {} cannot be queued: it is running (on another thread, or it is the caller \
+                 or a fiber that runs the caller): push it once it has suspended; a fiber that \
+                 wants to go back into its queue yields, and its runner requeues it",
+                fiber.id()
+            ),
+            PushError::NotReady(fiber, FiberError::Sleeping(_)) => write!(
+                f,
+                "fiber {} cannot be queued: it is asleep on a synchronisation primitive, and the \
+                 wake hands it to its home scheduler (or leaves it ready if it has none): push it \
+                 only after that",
                 fiber.id()
             ),
             PushError::NotReady(fiber, e) => write!(f, "fiber {} cannot be queued: {e}", fiber.id()),
@@ -455,6 +478,8 @@ impl<T: Send + 'static> RunQueue<T> {
         if let Ok(replaced) = fiber.mark_queued(Some(&self.home)) {
             let mut synced = self.shared.synced.lock();
             synced.stats.wrong_thread += 1;
+            // It enters the queue again (its pop was counted).
+            synced.stats.pushes += 1;
             synced.elsewhere.push(fiber.clone());
             self.shared.len_hint.store(synced.len(), Ordering::Relaxed);
             drop(synced);
@@ -463,10 +488,12 @@ impl<T: Send + 'static> RunQueue<T> {
         }
     }
 
-    /// Pushes back a fiber that just yielded. It was admitted by a push
-    /// before, so this does not fail for capacity; `len()` may then exceed
-    /// the capacity for a while, if pushes took the place it freed when
-    /// popped.
+    /// Pushes back a fiber popped from this queue that just yielded. It
+    /// was admitted by a push before, so this does not check the capacity;
+    /// `len()` may then exceed the capacity for a while, if pushes took the
+    /// place it freed when popped. Nothing checks that the fiber came from
+    /// this queue: a fiber it never admitted would pass the bound here, so
+    /// bring those in with [`try_push`](RunQueue::try_push), which checks.
     ///
     /// # Errors
     ///

@@ -468,8 +468,9 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 /// because its stack is being unwound after its last handle was dropped,
 /// waits in `pop` like a thread, blocking the dropping thread. A message
 /// handed to a sleeping receiver is its own from then on: if the receiver
-/// is dropped before it runs again, the unwind puts the message back at
-/// the head of the queue (or hands it to the next receiver); if its stack
+/// is dropped before it runs again, the unwind puts the message back into
+/// the queue at its place by push order (or hands it to the next
+/// receiver); if its stack
 /// cannot be unwound (a pinned fiber whose last handle is dropped on
 /// another thread: the stack is leaked), the message is lost with it.
 ///

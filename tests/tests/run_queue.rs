@@ -274,6 +274,31 @@ fn a_push_error_says_what_happened() {
     let not_ready = RunQueue::<()>::new(1).try_push(empty).unwrap_err();
     assert!(not_ready.to_string().contains("set_function"), "{not_ready}");
     assert!(matches!(not_ready, PushError::NotReady(_, FiberError::NoFunction(_))), "{not_ready:?}");
+
+    // A finished fiber: what to do before pushing it, not before running it.
+    let done = fiber(Priority::NORMAL, || ());
+    done.run().unwrap().unwrap_returned();
+    let finished = RunQueue::<()>::new(1).try_push(done).unwrap_err();
+    let msg = finished.to_string();
+    assert!(matches!(finished, PushError::NotReady(_, FiberError::Finished(_))), "{finished:?}");
+    assert!(msg.contains("set_function") && !msg.contains("running it"), "{msg}");
+
+    // A fiber pushing itself from inside its own function: it is running.
+    let queue = RunQueue::<String>::new(1);
+    let me: Arc<Mutex<Option<Fiber<String>>>> = Default::default();
+    let f = Fiber::<String>::new(Default::default()).unwrap();
+    *me.lock().unwrap() = Some(f.clone());
+    {
+        let (queue, me) = (queue.clone(), me.clone());
+        f.set_function(Priority::NORMAL, move || {
+            let myself = me.lock().unwrap().take().unwrap();
+            queue.try_push(myself).unwrap_err().to_string()
+        })
+        .unwrap();
+    }
+    let msg = f.run().unwrap().unwrap_returned();
+    assert!(msg.contains("it is running") && msg.contains("yields"), "{msg}");
+    assert!(!msg.contains("before running it"), "{msg}");
 }
 
 /// `RunQueue::set_priority` moves a queued fiber at once (behind fibers
@@ -759,5 +784,35 @@ fn set_function_racing_a_queue_never_calls_an_unstarted_fiber_busy() {
         }
         stop.store(true, Ordering::Relaxed);
         popper.join().unwrap();
+    });
+}
+
+/// A pinned fiber that `run_popped` sends back from another thread enters
+/// the queue again and is counted as a push: `pushes - pops` stays the
+/// queue's length (it showed more pops than pushes on an empty queue).
+#[test]
+fn a_fiber_sent_back_by_run_popped_counts_as_a_push() {
+    watchdog("a_fiber_sent_back_by_run_popped_counts_as_a_push", 30, |_stage| {
+        let queue = RunQueue::<()>::new(4);
+        queue
+            .try_push(fiber(Priority::NORMAL, || {
+                spindle_fiber::yield_now();
+            }))
+            .unwrap();
+        // Runs once here: pinned to this thread, then requeued.
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
+        let popped = queue.try_pop().expect("the yielded fiber");
+        let other = queue.clone();
+        let refused = std::thread::spawn(move || {
+            matches!(other.run_popped(popped).outcome, Err(FiberError::WrongThread(_)))
+        })
+        .join()
+        .unwrap();
+        assert!(refused, "run_popped on another thread refuses a pinned fiber");
+        let stats = queue.stats();
+        assert_eq!(stats.pushes - stats.pops, queue.len() as u64, "{stats:?}, len {}", queue.len());
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+        let stats = queue.stats();
+        assert_eq!((stats.pushes, stats.pops, queue.len()), (3, 3, 0), "{stats:?}");
     });
 }
