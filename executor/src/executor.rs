@@ -332,8 +332,8 @@ impl Handle {
         let job = Job { task, priority };
         match crate::worker::current_worker() {
             // From this executor's worker thread (one of its fibers, or
-            // user code the worker runs outside them, a task's value being
-            // dropped): the worker is busy running it, so shutdown cannot
+            // user code the worker runs outside them, an unjoined panic's
+            // payload or a cancelled job's closure being dropped): the worker is busy running it, so shutdown cannot
             // get past it before the push is done, and the worker drains
             // its own queue. Should that code go on to block the worker, the
             // job can still be stolen, and sysmon adds a worker for it.
@@ -520,8 +520,8 @@ impl Drop for Executor {
         match own_worker || crate::sysmon::is_sysmon_of(&handle.shared) {
             // Dropped on one of its own threads: inside one of its fibers,
             // whose worker cannot go quiet until the fiber suspends or
-            // ends, or on its sysmon thread (a value whose last reference a
-            // stale timer held), which the shutdown joins and which fires
+            // ends, or on its sysmon thread (a panic payload whose last
+            // reference a stale timer held), which the shutdown joins and which fires
             // the timers it waits for. The shutdown is left to a thread of
             // its own, and this returns.
             true => {
@@ -597,8 +597,13 @@ impl<T> JoinHandle<T> {
 
 /// Dropping the handle detaches the fiber: a value it has already
 /// returned is dropped here, one it returns later is dropped on its own
-/// fiber as it returns (so a `Drop` of the value that waits never blocks a
-/// worker thread).
+/// fiber as it returns, where a `Drop` of the value that waits (joins
+/// another fiber, say) puts that fiber to sleep. A handle dropped by the
+/// worker (captured by a job cancelled before it started, or held in a
+/// panic's payload) drops a finished value on that worker thread: a wait
+/// there blocks the worker. A panic of the value's drop is the dropping
+/// code's, as for any value it drops, except on a thread that is already
+/// panicking, where it is contained (and reported to a scope).
 impl<T> Drop for JoinHandle<T> {
     fn drop(&mut self) {
         if self.joined {
@@ -611,7 +616,10 @@ impl<T> Drop for JoinHandle<T> {
             // A handle dropped while its thread unwinds: a panic of the
             // value's drop would abort the process. Contained instead.
             if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(value))) {
-                crate::task::drop_payload(payload);
+                // For a scope's report (the task is dropped after this).
+                self.task.value_drop_panicked.store(true, Ordering::Relaxed);
+                // Not a forced unwind: the thread is panicking.
+                let _ = crate::task::drop_payload(payload);
             }
         } else {
             drop(value);

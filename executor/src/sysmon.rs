@@ -38,8 +38,8 @@ std::thread_local! {
 }
 
 /// Whether the calling thread is the sysmon thread of `shared`'s executor:
-/// a value dropped there (the last reference of a stale timer) may drop
-/// the `Executor` itself, whose shutdown must then not join this thread.
+/// a panic payload dropped there (the last reference of a stale timer)
+/// may drop the `Executor` itself, whose shutdown must then not join this thread.
 pub(crate) fn is_sysmon_of(shared: &Shared) -> bool {
     SYSMON_OF.with(|s| std::ptr::eq(s.get(), shared))
 }

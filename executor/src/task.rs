@@ -239,6 +239,9 @@ pub(crate) struct TaskHead {
     /// the handle's drop or by the fiber that made it, never left for the
     /// last reference (which may be a worker thread, outside any fiber).
     pub(crate) detached: AtomicBool,
+    /// Set when a handle dropped on a panicking thread contained a panic
+    /// of the value's drop: a scope reports it.
+    pub(crate) value_drop_panicked: AtomicBool,
     /// Released once on completion, and by deadlock detection.
     pub(crate) done: Semaphore,
     /// Boxed: errors are rare and the head stays small.
@@ -270,12 +273,11 @@ pub(crate) struct TaskPrefix<T> {
 /// A task: one allocation holding its head, its value slot and its closure.
 ///
 /// Whatever the task still holds when the last reference goes (a closure
-/// that never ran, a panic payload, a value whose handle is still alive
-/// but leaked) is dropped then, wherever that is (often a worker thread,
-/// outside any fiber), so its destructors are contained: a panic there is
-/// reported by the panic hook and goes no further. A value whose handle
-/// was dropped is dropped by the handle or by its fiber instead (see
-/// `TaskHead::detached`).
+/// that never ran, a panic payload) is dropped then, wherever that is
+/// (often a worker thread, outside any fiber), so its destructors are
+/// contained: a panic there is reported by the panic hook and goes no
+/// further. A value is never left for the last reference: `join` takes it,
+/// or the handle's drop or the fiber drops it (see `TaskHead::detached`).
 #[repr(C)]
 pub(crate) struct TaskCell<T, F> {
     head: TaskHead,
@@ -312,6 +314,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
                 unwinding: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
                 detached: AtomicBool::new(false),
+                value_drop_panicked: AtomicBool::new(false),
                 done: Semaphore::new(0),
                 error: Mutex::new(None),
                 sleep: Mutex::new(SleepSlot::default()),
@@ -367,7 +370,9 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
         // the closure's captures must not take the worker down, nor may
         // the drop of its panic's payload.
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drop(job))) {
-            drop_payload(payload);
+            if let Some(forced) = drop_payload(payload) {
+                std::panic::resume_unwind(forced);
+            }
         }
     }
 }
@@ -377,17 +382,20 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
 /// payload is leaked. A worker contains the first panic of a value's or a
 /// closure's drop this way, and must not die of the second.
 ///
-/// One unwind is passed on: a payload whose drop suspended the running
-/// fiber, which was then dropped, comes back with that fiber's forced
-/// unwind, which must go on through the fiber's frames (its code after
-/// this drop would otherwise run inside its own drop).
-pub(crate) fn drop_payload(payload: Box<dyn Any + Send>) {
+/// One unwind is handed back instead: a payload whose drop suspended the
+/// running fiber, which was then dropped, comes back with that fiber's
+/// forced unwind, which the caller must resume (`resume_unwind`) once its
+/// own bookkeeping is done, so that it goes on through the fiber's frames
+/// (its code after this drop would otherwise run inside its own drop).
+#[must_use = "a forced unwind handed back must be resumed"]
+pub(crate) fn drop_payload(payload: Box<dyn Any + Send>) -> Option<Box<dyn Any + Send>> {
     if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
         if unwinding_current_for_drop() {
-            std::panic::resume_unwind(again);
+            return Some(again);
         }
         std::mem::forget(again);
     }
+    None
 }
 
 /// Whether an unwind just caught must be passed on because it is the
@@ -431,18 +439,24 @@ impl<T, F> Drop for TaskCell<T, F> {
                 false
             }
             Err(payload) => {
-                drop_payload(payload);
+                forced_unwind = drop_payload(payload);
                 true
             }
         };
+        // A value's drop that its handle contained (see `JoinHandle`'s drop).
+        let value_panicked = self.head.value_drop_panicked.load(Ordering::Relaxed);
         if let Some(scope) = self.scope.take() {
-            let what = match (what, panicked) {
-                (Some(w), _) => Some(w),
-                (None, true) => Some(match &self.head.name {
+            let what = match (what, panicked, value_panicked) {
+                (Some(w), _, _) => Some(w),
+                (None, _, true) => Some(match &self.head.name {
                     Some(n) => format!("the value of fiber '{n}' panicked when dropped"),
                     None => "a fiber's value panicked when dropped".to_owned(),
                 }),
-                (None, false) => None,
+                (None, true, false) => Some(match &self.head.name {
+                    Some(n) => format!("what fiber '{n}' left (its closure or panic) panicked when dropped"),
+                    None => "what a fiber left (its closure or panic) panicked when dropped".to_owned(),
+                }),
+                (None, false, false) => None,
             };
             // Only now: nothing of the task's can touch the scope's borrows.
             scope.done(what);

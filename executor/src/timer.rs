@@ -20,8 +20,8 @@ use crate::task::TaskRef;
 ///
 /// The task reference lives here, not in the timer's entry: an entry that
 /// sysmon took out of the map just as the call ended would otherwise hold
-/// the task's last reference once the task finished, and drop its unjoined
-/// value on the sysmon thread. Under the lock, the fiber is still inside
+/// the task's last reference once the task finished, and drop what it
+/// still holds (an unjoined panic's payload) on the sysmon thread. Under the lock, the fiber is still inside
 /// the call, so the timer's references are never the last.
 pub(crate) type InterruptSlot = Arc<Mutex<Option<(Waiter, TaskRef)>>>;
 
@@ -102,7 +102,7 @@ impl Timers {
     /// other way, waits until that firing is over: the firing's task
     /// reference is then gone while the caller's fiber still holds its
     /// own, so the firing never drops the task's last reference (and with
-    /// it an unjoined value, on sysmon). The wait is the few instructions
+    /// it an unjoined panic's payload, on sysmon). The wait is the few instructions
     /// of one firing, unless sysmon is descheduled meanwhile.
     pub(crate) fn remove(&self, key: TimerKey) {
         loop {
@@ -193,8 +193,8 @@ impl Timers {
 
     /// Wakes every sleeper now (shutdown). Runs on the thread that drops
     /// the executor, not on sysmon, and records no key in flight: a stale
-    /// entry's task reference may be a task's last here, and its unjoined
-    /// value is then dropped on that thread.
+    /// entry's task reference may be a task's last here, and an unjoined
+    /// panic's payload is then dropped on that thread.
     pub(crate) fn fire_all(&self) {
         let entries = std::mem::take(&mut self.map.lock().timers);
         for (_, e) in entries {

@@ -483,8 +483,9 @@ impl Worker {
     }
 
     fn complete(&self, task: TaskRef, err: Option<JoinError>) {
-        // Dropping the task may drop a value nobody joined, whose `Drop`
-        // is user code that may block (even join another task).
+        // Dropping the task may drop what it still holds (an unjoined
+        // panic's payload), whose `Drop` is user code that may block (even
+        // join another task).
         let _busy = BusyOutsideFiber::new(self.me());
         let c = &self.me().hot.counters;
         if matches!(err, Some(JoinError::Cancelled { .. })) {

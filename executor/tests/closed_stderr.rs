@@ -1,8 +1,10 @@
 //! With stderr closed (a broken pipe, as under `program 2>&1 | head -1`),
-//! the executor's warnings fail silently: sysmon's deadlock report, the
-//! shutdown's warnings and the no-stack warning must not panic the thread
-//! that writes them (`eprintln!` panics on a failed write). Each case runs
-//! in a child process whose stderr is a pipe with no reader.
+//! the executor's warnings fail silently and do not panic the thread that
+//! writes them (`eprintln!` panics on a failed write). Sysmon's deadlock
+//! report and the shutdown's statistics are tested here; the other
+//! warnings (the shutdown's slow-fiber notice, the no-stack warning, a
+//! failed worker spawn) use the same macro. Each case runs in a child
+//! process whose stderr is a pipe with no reader.
 
 mod common;
 

@@ -161,8 +161,8 @@ impl Drop for Bomb {
 }
 
 #[test]
-fn a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running() {
-    watchdog("a_value_whose_drop_panics_on_a_worker_leaves_the_worker_running", 30, |stage| {
+fn a_value_whose_drop_panics_leaves_the_worker_running() {
+    watchdog("a_value_whose_drop_panics_leaves_the_worker_running", 30, |stage| {
         let exec = Executor::builder().workers(1).max_workers(1).build();
         let go = std::sync::Arc::new(spindle_sync::Semaphore::new(0));
         let fiber_go = go.clone();

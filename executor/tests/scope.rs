@@ -371,3 +371,74 @@ fn a_scoped_fiber_asleep_at_shutdown_is_unwound_before_the_scope_returns() {
         dropper.join().unwrap();
     });
 }
+
+/// A value whose drop panics.
+struct PanicsWhenDropped;
+
+impl Drop for PanicsWhenDropped {
+    fn drop(&mut self) {
+        panic!("the value's drop panics");
+    }
+}
+
+/// The message of a scope's panic.
+fn scope_panic_message(result: std::thread::Result<()>) -> String {
+    let payload = result.expect_err("the scope panics at its end");
+    match (payload.downcast_ref::<String>(), payload.downcast_ref::<&str>()) {
+        (Some(s), _) => s.clone(),
+        (None, Some(s)) => (*s).to_owned(),
+        (None, None) => "(not a string)".to_owned(),
+    }
+}
+
+/// A scoped fiber's value whose drop panics, dropped by its handle while
+/// the scope's body unwinds from a panic of its own (caught in the body):
+/// the handle contains the second panic, and the scope still reports it
+/// at its end (it returned normally).
+#[test]
+fn a_scoped_value_whose_drop_panics_in_a_handle_dropped_while_unwinding_is_reported() {
+    watchdog(
+        "a_scoped_value_whose_drop_panics_in_a_handle_dropped_while_unwinding_is_reported",
+        30,
+        |_stage| {
+            let exec = Executor::builder().workers(1).build();
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                exec.scope(|s| {
+                    let h = s.spawn_with(SpawnOptions::new().name("bomb"), || PanicsWhenDropped);
+                    while !h.is_finished() {
+                        std::thread::yield_now();
+                    }
+                    let _ = catch_unwind(AssertUnwindSafe(move || {
+                        let _handle = h;
+                        panic!("the body's own panic, caught in the body");
+                    }));
+                })
+            }));
+            let msg = scope_panic_message(result);
+            assert!(msg.contains("the value of fiber 'bomb' panicked when dropped"), "{msg}");
+        },
+    );
+}
+
+/// A scoped fiber's value whose drop panics, its handle dropped before the
+/// fiber returns: the fiber drops the value as it returns, so the panic is
+/// the fiber's own, and the scope reports that.
+#[test]
+fn a_scoped_value_whose_drop_panics_on_its_fiber_is_reported() {
+    watchdog("a_scoped_value_whose_drop_panics_on_its_fiber_is_reported", 30, |_stage| {
+        let exec = Executor::builder().workers(1).build();
+        let gate = spindle_sync::Semaphore::new(0);
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            exec.scope(|s| {
+                let h = s.spawn_with(SpawnOptions::new().name("bomb"), || {
+                    gate.acquire();
+                    PanicsWhenDropped
+                });
+                drop(h);
+                gate.release(1);
+            })
+        }));
+        let msg = scope_panic_message(result);
+        assert!(msg.contains("'bomb'") && msg.contains("the value's drop panics"), "{msg}");
+    });
+}

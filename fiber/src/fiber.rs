@@ -1274,6 +1274,10 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             && (slot.migratable || slot.pin == crate::tls::thread_id_word());
         (unwind, slot.pool)
     };
+    // The forced unwind of the fiber this runs on, if the unwind below
+    // handed it back: resumed once this fiber is released (see
+    // `drop_payload`).
+    let mut resume = None;
     if unwind_here {
         // Ours again for the unwind.
         inner.refs.store(1, Ordering::Relaxed);
@@ -1307,7 +1311,7 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             Err(payload) => {
                 // Code that caught the forced unwind panicked instead: this
                 // is a drop, so the panic stops here.
-                crate::report::drop_payload(payload);
+                resume = crate::report::drop_payload(payload);
                 false
             }
         };
@@ -1335,6 +1339,9 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
             if let Some(stack) = stack {
                 pool.give(stack);
             }
+            if let Some(payload) = resume {
+                std::panic::resume_unwind(payload);
+            }
             return;
         }
         std::sync::atomic::fence(Ordering::Acquire);
@@ -1346,6 +1353,9 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
     // SAFETY: the last reference is gone; the allocation came from
     // `Box::new` in `Fiber::new`.
     drop(unsafe { Box::from_raw(ptr.as_ptr()) });
+    if let Some(payload) = resume {
+        std::panic::resume_unwind(payload);
+    }
 }
 
 impl<T> Drop for Inner<T> {
@@ -1372,7 +1382,9 @@ impl<T> Drop for Inner<T> {
                         if crate::report::unwinding_current_for_drop() {
                             std::panic::resume_unwind(payload);
                         }
-                        crate::report::drop_payload(payload);
+                        if let Some(forced) = crate::report::drop_payload(payload) {
+                            std::panic::resume_unwind(forced);
+                        }
                     }
                 }
             } else {

@@ -24,17 +24,21 @@ pub fn leaked_stacks() -> u64 {
 /// panics) would otherwise unwind out of the code that contained the
 /// first panic; that second payload is leaked instead.
 ///
-/// One unwind is passed on: a payload whose drop suspended the running
-/// fiber, which was then dropped, comes back with that fiber's forced
-/// unwind, and the unwind must go on through the fiber's frames (its code
-/// after this drop would otherwise run inside its own drop).
-pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
+/// One unwind is handed back instead: a payload whose drop suspended the
+/// running fiber, which was then dropped, comes back with that fiber's
+/// forced unwind, and the caller must resume it (`resume_unwind`) once its
+/// own bookkeeping is done, so that the unwind goes on through the fiber's
+/// frames (its code after this drop would otherwise run inside its own
+/// drop).
+#[must_use = "a forced unwind handed back must be resumed"]
+pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) -> Option<Box<dyn std::any::Any + Send>> {
     if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload))) {
         if unwinding_current_for_drop() {
-            std::panic::resume_unwind(again);
+            return Some(again);
         }
         std::mem::forget(again);
     }
+    None
 }
 
 /// Whether an unwind just caught in the running fiber must be passed on:

@@ -894,15 +894,25 @@ fn dropped_while_suspended_in_a_payload_drop(name: &str, body: fn()) {
     );
 }
 
+thread_local! {
+    /// The name of fiber D in the test below, held weakly.
+    static D_NAME: std::cell::RefCell<Option<std::sync::Weak<str>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// A fiber X drops a suspended fiber D whose forced unwind is caught and
 /// panics; the panic's payload, dropped by X, suspends X. Dropping X then
-/// must unwind X, not let it go on inside its own drop.
+/// must unwind X, not let it go on inside its own drop, and D is still
+/// freed.
 #[test]
 fn a_fiber_suspended_in_the_drop_of_a_contained_payload_is_unwound_when_dropped() {
     let _serial = leak_count_lock();
     with_watchdog(30, "payload_drop_suspends_release", || {
         dropped_while_suspended_in_a_payload_drop("X (release)", || {
-            let d = Fiber::<PanicsWithAYieldingPayload>::new(FiberAttr::new().name("D")).unwrap();
+            // D's name is counted: D is freed once dropped (the forced
+            // unwind of X, passed on from D's release, once left D behind).
+            let name: std::sync::Arc<str> = "D".into();
+            D_NAME.with(|n| *n.borrow_mut() = Some(std::sync::Arc::downgrade(&name)));
+            let d = Fiber::<PanicsWithAYieldingPayload>::new(FiberAttr::new().name(name)).unwrap();
             d.set_function(Priority::NORMAL, || {
                 // Catches D's forced unwind and returns: the forced unwind
                 // drops the value, whose drop panics with a payload that
@@ -914,6 +924,10 @@ fn a_fiber_suspended_in_the_drop_of_a_contained_payload_is_unwound_when_dropped(
             assert!(matches!(d.run().unwrap(), RunOutcome::Yielded(0)));
             drop(d); // X suspends in here
         });
+        let d_name = D_NAME
+            .with(|n| n.borrow_mut().take())
+            .expect("D was made on this thread");
+        assert_eq!(d_name.strong_count(), 0, "D was not freed after X's unwind");
     });
 }
 
