@@ -418,7 +418,11 @@ fn cancel_unstarted(shared: &Shared, job: Job) {
 /// timer pending, seen twice with no heartbeat in between.
 fn wait_quiescent(shared: &Shared) {
     let beats = || -> u64 {
-        shared.workers.iter().map(|w| w.hot.heartbeat.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+        shared
+            .started_workers()
+            .iter()
+            .map(|w| w.hot.heartbeat.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
     };
     // Timers first: a timer being fired is counted until its fiber is in
     // an inbox, so once `is_empty` says none is left, the queues read next

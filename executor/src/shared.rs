@@ -234,6 +234,10 @@ pub(crate) struct Shared {
     pub(crate) global: [Injector<Job>; CLASSES],
     /// Active workers (take fresh work).
     pub(crate) active: AtomicUsize,
+    /// Worker slots whose thread was ever started: a prefix of `workers`
+    /// (threads start in index order and never stop before shutdown), so
+    /// scans of the pool cost the workers it has had, not `max_workers`.
+    pub(crate) slots: AtomicUsize,
     /// Held while `active` and the workers' `active` flags change
     /// (scale-up, retirement).
     pub(crate) scaling: Mutex<()>,
@@ -309,6 +313,7 @@ impl Shared {
                 workers,
                 global: Default::default(),
                 active: AtomicUsize::new(0),
+                slots: AtomicUsize::new(0),
                 scaling: Mutex::new(()),
                 searching: CachePadded::new(AtomicUsize::new(0)),
                 stack_pressure: AtomicBool::new(false),
@@ -342,6 +347,11 @@ impl Shared {
         }
     }
 
+    /// The workers whose thread was ever started (see `slots`).
+    pub(crate) fn started_workers(&self) -> &[WorkerShared] {
+        &self.workers[..self.slots.load(Ordering::Acquire).min(self.workers.len())]
+    }
+
     /// Wakes one parked active worker, if any.
     pub(crate) fn wake_one_parked(&self) -> bool {
         let n = self.active.load(Ordering::Relaxed);
@@ -358,30 +368,32 @@ impl Shared {
             return false;
         }
         self.global.iter().any(|q| !q.is_empty())
-            || self.workers.iter().any(|o| o.index != me && o.has_fresh())
+            || self.started_workers().iter().any(|o| o.index != me && o.has_fresh())
     }
 
     /// Is there work a new worker could take (queued jobs, not woken
     /// fibers, which are pinned to their workers)?
     pub(crate) fn stealable_work(&self) -> bool {
-        self.global.iter().any(|q| !q.is_empty()) || self.workers.iter().any(|w| w.has_fresh())
+        self.global.iter().any(|q| !q.is_empty()) || self.started_workers().iter().any(|w| w.has_fresh())
     }
 
     /// Is any fiber waiting to run anywhere: queued jobs, or woken fibers
     /// in an inbox?
     pub(crate) fn pending_work(&self) -> bool {
-        self.stealable_work() || self.workers.iter().any(|w| w.inbox.len.load(Ordering::Relaxed) > 0)
+        self.stealable_work()
+            || self.started_workers().iter().any(|w| w.inbox.len.load(Ordering::Relaxed) > 0)
     }
 
     /// Steals one fresh fiber of `class` from another worker.
     pub(crate) fn steal(&self, me: usize, class: usize, start: usize, local: &Worker<Job>) -> Option<Job> {
-        let n = self.workers.len();
+        let victims = self.started_workers();
+        let n = victims.len();
         for k in 0..n {
             let v = (start + k) % n;
             if v == me {
                 continue;
             }
-            let victim = &self.workers[v];
+            let victim = &victims[v];
             let (deque, injector) = (&victim.stealers[class], &victim.fresh[class]);
             let got = (!deque.is_empty())
                 .then(|| retry(|| deque.steal_batch_and_pop(local)))
@@ -414,7 +426,7 @@ impl Shared {
     /// still pending sleeps in a plain wait (an interruptible one takes the
     /// mark), and waking it again would only make it sleep again, forever.
     pub(crate) fn interrupt_sleeping(&self, id: FiberId, task: usize, always_wake: bool) {
-        for w in self.workers.iter() {
+        for w in self.started_workers() {
             // Marked under the lock, while the fiber is known to sleep in
             // this task (fibers are reused: a mark made later could reach
             // the next task's wait), woken after it: the wake locks the
@@ -437,7 +449,7 @@ impl Shared {
     /// cancellation point (fibers that sleep later are interrupted by
     /// their worker, which checks `shutdown` after every sleep).
     pub(crate) fn interrupt_all_sleeping(&self) {
-        for w in self.workers.iter() {
+        for w in self.started_workers() {
             let waiters: Vec<_> = w
                 .sleeping
                 .lock()
@@ -483,9 +495,10 @@ pub(crate) fn retry<T>(mut f: impl FnMut() -> Steal<T>) -> Option<T> {
 impl Shared {
     /// Tasks spawned and not yet complete.
     pub(crate) fn live(&self) -> u64 {
-        let done: u64 = self.workers.iter().map(|w| w.hot.counters.completed.load(Ordering::Acquire)).sum();
+        let workers = self.started_workers();
+        let done: u64 = workers.iter().map(|w| w.hot.counters.completed.load(Ordering::Acquire)).sum();
         let outside = self.stats.completed_outside.load(Ordering::Acquire)
-            + self.workers.iter().map(|w| w.inbox.orphans.load(Ordering::Acquire)).sum::<u64>();
+            + workers.iter().map(|w| w.inbox.orphans.load(Ordering::Acquire)).sum::<u64>();
         self.stats.spawned.load(Ordering::Acquire).saturating_sub(done + outside)
     }
 }

@@ -49,6 +49,11 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
     let mut watch: Vec<Watch> =
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
+    // The workers the last scale-up activated, with their heartbeats just
+    // before: the next scale-up waits until each has beaten (looked for
+    // work) or retired again, so that jobs a new thread has not had a
+    // chance to take do not count as stranded twice.
+    let mut added: Vec<(usize, u64)> = Vec::new();
     // Since when (and at which heartbeat sum and blocked-thread
     // generation) the pool has looked deadlocked, and whether this episode
     // was reported.
@@ -61,7 +66,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         let mut stuck = false;
         let mut all_parked = true;
         let mut beats = 0u64;
-        for (w, seen) in shared.workers.iter().zip(watch.iter_mut()) {
+        for (w, seen) in shared.started_workers().iter().zip(watch.iter_mut()) {
             if !w.started.load(Ordering::Acquire) {
                 continue;
             }
@@ -90,8 +95,16 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         // Only work another worker could take counts: woken fibers in the
         // stuck worker's own inbox are pinned to it, and a worker added
         // for them would find nothing, retire, and be added again.
-        if stuck && now - last_scale >= shared.config.stuck_threshold && shared.stealable_work() {
-            scale_up(&shared);
+        let added_looked = added.iter().all(|&(i, beat)| {
+            let w = &shared.workers[i];
+            w.hot.heartbeat.load(Ordering::Relaxed) != beat || !w.active.load(Ordering::Relaxed)
+        });
+        if stuck
+            && added_looked
+            && now - last_scale >= shared.config.stuck_threshold
+            && shared.stealable_work()
+        {
+            added = scale_up(&shared);
             last_scale = now;
         }
 
@@ -168,32 +181,38 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
 }
 
 /// Adds 50% more workers (at least one), up to the maximum.
-pub(crate) fn scale_up(shared: &Arc<Shared>) {
+/// Adds up to half the active workers (at least one); returns the workers
+/// it activated, each with its heartbeat just before.
+pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
     let max = shared.config.max_workers;
     // Retirements change `active` too (worker.rs, `try_retire`): both hold
     // this lock, so the count and the workers' flags agree.
     let _scaling = shared.scaling.lock();
     let cur = shared.active.load(Ordering::Acquire);
     if cur >= max {
-        return;
+        return Vec::new();
     }
-    let mut target = (cur + (cur / 2).max(1)).min(max);
-    for i in cur..target {
+    let want = (cur + (cur / 2).max(1)).min(max);
+    let mut added = Vec::with_capacity(want - cur);
+    for i in cur..want {
+        let beat = shared.workers[i].hot.heartbeat.load(Ordering::Relaxed);
         if let Err(e) = activate(shared, i) {
             // Out of threads: grow as far as we got, and try again later.
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| warn!("spindle-executor: cannot add a worker thread for now ({e})"));
-            target = i;
             break;
         }
+        added.push((i, beat));
     }
+    let target = cur + added.len();
     if target == cur {
-        return;
+        return added;
     }
     shared.active.store(target, Ordering::Release);
     shared.note_workers();
     shared.stats.scale_ups.fetch_add(1, Ordering::Relaxed);
     crate::trace_event!(from = cur, to = target, "scale up");
+    added
 }
 
 /// Makes worker `i` active, starting its thread the first time. If the
@@ -205,6 +224,9 @@ pub(crate) fn activate(shared: &Arc<Shared>, i: usize) -> std::io::Result<()> {
         // Marked before the thread runs: the thread reads both.
         w.active.store(true, Ordering::Release);
         w.started.store(true, Ordering::Release);
+        // Slots are started in index order: scans now include this one
+        // (a thread that fails to start leaves an empty slot in the scans).
+        shared.slots.fetch_max(i + 1, Ordering::AcqRel);
         let spawned = std::thread::Builder::new()
             .name(format!("spindle-worker-{i}"))
             .spawn(move || crate::worker::run(s, i));
@@ -235,7 +257,7 @@ const REPORTED_FIBERS: usize = 64;
 fn report_deadlock(shared: &Shared) {
     let mut report = String::new();
     let mut sleeping = 0usize;
-    for w in shared.workers.iter() {
+    for w in shared.started_workers() {
         for fiber in w.sleeping.lock().values() {
             sleeping += 1;
             if sleeping > REPORTED_FIBERS {

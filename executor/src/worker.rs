@@ -86,6 +86,9 @@ struct Worker {
     stack_starved: bool,
     /// Set by a start that failed for want of a stack; see `main_loop`.
     stack_backoff: bool,
+    /// Since when this worker has found nothing to run (None while it
+    /// finds work): an extra worker retires once this is `idle_retire` old.
+    idle_since: Option<std::time::Instant>,
 }
 
 /// How long a worker whose job could not get a stack, and that has nothing
@@ -104,6 +107,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         outside_in_local: [0; CLASSES],
         stack_starved: false,
         stack_backoff: false,
+        idle_since: None,
     };
     CURRENT.with(|c| c.set(&*w.ctx));
     // Declared after `w`, so dropped before it, on an unwind too: no
@@ -144,7 +148,10 @@ impl Worker {
             let hot = &self.me().hot;
             hot.heartbeat.store(hot.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             match self.next() {
-                Some(n) => self.run_one(n),
+                Some(n) => {
+                    self.idle_since = None;
+                    self.run_one(n)
+                }
                 None => self.idle(parker),
             }
             // A job could not start for want of a stack, and this worker has
@@ -516,6 +523,7 @@ impl Worker {
                     // another worker looking.
                     shared.wake_one_parked();
                 }
+                self.idle_since = None;
                 self.run_one(n);
                 return;
             }
@@ -525,6 +533,7 @@ impl Worker {
             shared.searching.fetch_sub(1, Ordering::SeqCst);
         }
 
+        let since = *self.idle_since.get_or_insert_with(std::time::Instant::now);
         let me = self.me();
         // Parking protocol, worker steps 1-4 (shared.rs).
         me.inbox.parked.store(true, Ordering::SeqCst);
@@ -537,17 +546,34 @@ impl Worker {
         }
         WorkerCounters::bump(&me.hot.counters.parks);
         crate::trace_event!(worker = self.ctx.index, "park");
-        let extra = self.ctx.index >= shared.config.base_workers;
-        if extra && me.active.load(Ordering::Relaxed) {
-            parker.park_timeout(shared.config.idle_retire);
+        let i = self.ctx.index;
+        // Extra workers retire from the top (LIFO), once idle for
+        // `idle_retire`: only the highest active one waits with a timeout.
+        // The others park until woken, by work or by the retirement of the
+        // one above them (which makes them the highest), instead of waking
+        // every `idle_retire` to search and fail to retire (read after
+        // `parked` and the fence above: see `try_retire`). Not while
+        // shutting down: nothing retires then, and the shutdown waits for
+        // every worker to be parked and still.
+        let retiring = i >= shared.config.base_workers
+            && me.active.load(Ordering::Relaxed)
+            && shared.active.load(Ordering::SeqCst) == i + 1
+            && !shared.shutdown.load(Ordering::Relaxed);
+        if retiring {
+            let left = shared.config.idle_retire.saturating_sub(since.elapsed());
+            if !left.is_zero() {
+                parker.park_timeout(left);
+            }
             if me.inbox.parked.swap(false, Ordering::SeqCst) {
-                // Nobody woke us: retire if we are the highest active worker
-                // and nothing came in meanwhile (a spawn that found us
-                // parked-by-timeout and nobody searching woke nobody; the
-                // fence pairs with its own).
+                // Nobody woke us: retire if nothing came in meanwhile (a
+                // spawn that found us parked-by-timeout and nobody
+                // searching woke nobody; the fence pairs with its own).
                 std::sync::atomic::fence(Ordering::SeqCst);
-                if !shared.work_visible(self.ctx.index) {
-                    self.try_retire();
+                if !shared.work_visible(i) && self.try_retire() && i > shared.config.base_workers {
+                    // The next one down is the highest now: if it is idle,
+                    // it starts its own countdown (or retires at once if it
+                    // has been idle long enough).
+                    shared.workers[i - 1].notify();
                 }
             }
         } else {
@@ -556,19 +582,30 @@ impl Worker {
         }
     }
 
-    fn try_retire(&self) {
+    /// Retires this worker if it is the highest active one; returns
+    /// whether it did.
+    fn try_retire(&self) -> bool {
         let shared = self.shared();
         let i = self.ctx.index;
         // Under the scaling lock: a scale-up between the count and the flag
         // would otherwise activate this worker and then see it deactivated.
         let _scaling = shared.scaling.lock();
-        if shared.active.compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            self.me().active.store(false, Ordering::Release);
-            shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
-            crate::trace_event!(worker = i, "retire");
-            // Jobs that raced into our queues are still stealable, and we
-            // keep polling our own: nothing is stranded.
+        if shared.active.compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return false;
         }
+        self.me().active.store(false, Ordering::Release);
+        shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
+        crate::trace_event!(worker = i, "retire");
+        // Jobs that raced into our queues are still stealable, and we
+        // keep polling our own: nothing is stranded.
+        //
+        // Orders the count's change before the caller's look at the next
+        // worker's `parked` (the store-buffer pattern with that worker's
+        // `parked` store, fence and load of the count in `idle`): either
+        // it sees itself highest, or the caller sees it parked and wakes
+        // it.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        true
     }
 
     /// Exit, after shutdown reached quiescence: whatever is left is asleep

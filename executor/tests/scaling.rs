@@ -186,3 +186,63 @@ fn a_long_time_slice_does_not_delay_scaling_up() {
         assert!(exec.stats().scale_ups >= 1, "{:?}", exec.stats());
     });
 }
+
+/// Scaling follows the jobs waiting: a burst of hogs (jobs that never
+/// suspend) on one worker adds workers until each hog has one, and not
+/// many more. Sysmon waits for the workers it added last to look for
+/// work before it adds more; before, it went on adding every round while
+/// the new threads had not run yet, and 8 hogs took the pool to 19-42
+/// workers on a busy machine. The machine is made busy here by spinning
+/// threads outside the executor, so that new worker threads start late.
+#[test]
+fn a_burst_of_hogs_adds_about_one_worker_per_hog() {
+    const HOGS: usize = 6;
+    watchdog("a_burst_of_hogs_adds_about_one_worker_per_hog", 60, |stage| {
+        let exec = Executor::builder()
+            .workers(1)
+            .max_workers(64)
+            .stuck_threshold(Duration::from_millis(1))
+            .idle_retire(Duration::from_secs(3600))
+            .build();
+        let (running, stop) = (Arc::new(AtomicUsize::new(0)), Flag::new());
+        let busy: Vec<_> = (0..4)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.is_set() {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let hogs: Vec<_> = (0..HOGS)
+            .map(|_| {
+                let (running, stop) = (Arc::clone(&running), stop.clone());
+                exec.spawn(move || {
+                    running.fetch_add(1, Ordering::SeqCst);
+                    while !stop.is_set() {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        stage.set("waiting for every hog to run on a worker of its own");
+        while running.load(Ordering::SeqCst) < HOGS {
+            std::thread::yield_now();
+        }
+        stop.set();
+        for h in hogs {
+            h.join().unwrap();
+        }
+        for t in busy {
+            t.join().unwrap();
+        }
+        let stats = exec.stats();
+        // One per hog, plus at most the half that one scale-up adds at once.
+        assert!(
+            stats.peak_workers <= HOGS + HOGS / 2,
+            "{HOGS} hogs took the pool to {} workers: {stats:?}",
+            stats.peak_workers
+        );
+    });
+}
