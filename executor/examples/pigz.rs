@@ -375,12 +375,30 @@ fn build_executor(workers: usize) -> Executor {
     Executor::builder().workers(workers).max_workers(workers).stack_size(STACK_SIZE).build()
 }
 
+/// Refuses an output that is the input file itself (another name for it
+/// included): creating the output would truncate the input before a byte
+/// of it was read.
+fn refuse_same_file(input: &File, in_name: &str, out_path: &str) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let inp = input.metadata().map_err(|e| format!("{in_name}: {e}"))?;
+    match std::fs::metadata(out_path) {
+        Ok(out) if out.dev() == inp.dev() && out.ino() == inp.ino() => Err(format!(
+            "{out_path} is the input file {in_name}: writing it would destroy the input; choose another output"
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn run_compress(opts: &Options) -> Result<(), String> {
     let name = opts.input.as_deref().expect("checked by parse_args");
     let input: Box<dyn Read> = if name == "-" {
         Box::new(io::stdin().lock())
     } else {
-        Box::new(File::open(name).map_err(|e| format!("{name}: {e}"))?)
+        let file = File::open(name).map_err(|e| format!("{name}: {e}"))?;
+        if let Some(path) = &opts.output {
+            refuse_same_file(&file, name, path)?;
+        }
+        Box::new(file)
     };
     let (mut output, out_name): (Box<dyn Write>, &str) = match &opts.output {
         Some(path) => (Box::new(File::create(path).map_err(|e| format!("{path}: {e}"))?), path),
@@ -400,7 +418,18 @@ fn run_compress(opts: &Options) -> Result<(), String> {
         opts.block_size,
         WINDOW_PER_WORKER * opts.workers,
     )
-    .map_err(|e| format!("{name} -> {out_name}: {e}"))?;
+    .map_err(|e| format!("{name} -> {out_name}: {e}"));
+    let totals = match totals {
+        Ok(t) => t,
+        Err(e) => {
+            // Leave no partial output behind.
+            drop(output);
+            if let Some(path) = &opts.output {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(e);
+        }
+    };
     let elapsed = start.elapsed();
     drop(output);
     let ratio = if totals.input == 0 { 0.0 } else { 100.0 * totals.output as f64 / totals.input as f64 };
@@ -532,8 +561,39 @@ fn run_self_test(opts: &Options) -> Result<(), String> {
         }
         println!("ok: {what}: {} bytes compressed", spindle.len());
     }
-    println!("self-test passed: {} cases", cases.len());
+    check_same_file_refused()?;
+    println!("self-test passed: {} cases, and an output that is the input is refused", cases.len());
     Ok(())
+}
+
+/// `-o` naming the input file, or a hard link to it, is refused before
+/// anything is written, and the input is intact.
+fn check_same_file_refused() -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("spindle-pigz-self-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let result = (|| {
+        let input = dir.join("input.txt");
+        let link = dir.join("link.txt");
+        let text = generate_text(10_000, 3);
+        std::fs::write(&input, &text).map_err(|e| e.to_string())?;
+        std::fs::hard_link(&input, &link).map_err(|e| e.to_string())?;
+        for out in [&input, &link] {
+            let args =
+                [input.to_string_lossy().into_owned(), "-o".into(), out.to_string_lossy().into_owned()];
+            let opts = parse_args(args).map_err(|e| e.0)?.ok_or("the arguments parse to a run")?;
+            match run_compress(&opts) {
+                Err(e) if e.contains("is the input file") => {}
+                other => return Err(format!("-o {} (the input) was not refused: {other:?}", out.display())),
+            }
+            if std::fs::read(&input).map_err(|e| e.to_string())? != text {
+                return Err("the input was changed by a refused run".into());
+            }
+        }
+        println!("ok: an output that is the input (or a hard link to it) is refused");
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 fn main() -> ExitCode {

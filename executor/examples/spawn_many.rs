@@ -11,13 +11,19 @@ use std::time::Instant;
 
 fn main() {
     let usage = || -> ! {
-        eprintln!("usage: spawn_many [workers] [fiber]   (workers: a whole number, default 2)");
+        eprintln!(
+            "usage: spawn_many [workers] [fiber]   (workers: a whole number from 1 to {}, default 2)",
+            spindle_executor::MAX_WORKERS
+        );
         std::process::exit(2)
     };
     let workers = match std::env::args().nth(1) {
         None => 2,
         Some(a) => a.parse().unwrap_or_else(|_| usage()),
     };
+    if !(1..=spindle_executor::MAX_WORKERS).contains(&workers) {
+        usage();
+    }
     if std::env::args().nth(2).is_some_and(|a| a != "fiber") {
         usage();
     }

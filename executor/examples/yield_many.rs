@@ -5,16 +5,25 @@
 //! ```
 use std::time::Instant;
 
+use spindle_executor::MAX_WORKERS;
+
+fn usage(got: &str) -> ! {
+    eprintln!(
+        "usage: yield_many [workers] [fibers] [yields] (whole numbers: 1 to {MAX_WORKERS} workers, at least one \
+         fiber and one yield), got {got}"
+    );
+    std::process::exit(2)
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| {
-        a.parse::<usize>().unwrap_or_else(|_| {
-            eprintln!("usage: yield_many [workers] [fibers] [yields] (whole numbers), got {a:?}");
-            std::process::exit(2)
-        })
-    });
+    let mut args =
+        std::env::args().skip(1).map(|a| a.parse::<usize>().unwrap_or_else(|_| usage(&format!("{a:?}"))));
     let workers = args.next().unwrap_or(2);
     let fibers = args.next().unwrap_or(1000);
     let yields = args.next().unwrap_or(1000);
+    if !(1..=MAX_WORKERS).contains(&workers) || fibers == 0 || yields == 0 {
+        usage(&format!("{workers} workers, {fibers} fibers, {yields} yields"));
+    }
     let exec = spindle_executor::Executor::builder().workers(workers).max_workers(workers).build();
     let t = Instant::now();
     let hs: Vec<_> = (0..fibers)

@@ -221,14 +221,21 @@ impl Builder {
         // Read only when the builder did not say: a value it overrides is
         // not reported.
         let env_workers = || {
-            std::env::var("SPINDLE_WORKERS").ok().and_then(|v| match v.trim().parse::<usize>() {
-                Ok(n) if n <= MAX_WORKERS => Some(n),
-                _ => {
-                    warn!(
-                        "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers up to \
-                         {MAX_WORKERS}; using the default, one per available core"
-                    );
-                    None
+            // Set but empty counts as unset; a bad value is reported once
+            // per process, not for every executor built.
+            std::env::var("SPINDLE_WORKERS").ok().filter(|v| !v.trim().is_empty()).and_then(|v| {
+                match v.trim().parse::<usize>() {
+                    Ok(n) if n <= MAX_WORKERS => Some(n),
+                    _ => {
+                        static WARNED: std::sync::Once = std::sync::Once::new();
+                        WARNED.call_once(|| {
+                            warn!(
+                                "spindle-executor: SPINDLE_WORKERS={v:?} is not a number of workers up \
+                                 to {MAX_WORKERS}; using the default, one per available core"
+                            )
+                        });
+                        None
+                    }
                 }
             })
         };
