@@ -14,8 +14,8 @@
 //! mirrors, and a change there must be made here too. Mirrored:
 //!
 //! * worker side (`worker.rs`): `main_loop`, `next`, `drain_inbox`, `idle`
-//!   (base workers: the extra workers' timed park and retirement are not
-//!   modelled), `WorkerCtx::push_local`;
+//!   (base workers; the extra workers' choice of park and the retirement
+//!   hand-off have a model of their own, model 5), `WorkerCtx::push_local`;
 //! * notifier side (`shared.rs`): `Inbox::notify`, `Inbox::schedule`,
 //!   `Shared::push_fresh`, `wake_one_parked`, `work_visible`,
 //!   `pending_work`, `steal`, `wake_all`; and step 3 of `Executor::drop`
@@ -667,4 +667,64 @@ fn spawn_to_busy_worker_reaches_idle_worker() {
     });
     Coverage::assert(&COVERAGE.woke_another, "push_fresh waking a worker other than its target");
     Coverage::assert(&COVERAGE.recheck_found_work, "a re-check seeing the spawn");
+}
+
+/// The retirement hand-off (`worker.rs`: `Worker::idle`'s choice of park,
+/// `Worker::try_retire` and the wake that follows it). Three active
+/// workers, worker 0 the only base one: worker 2, the highest, retires
+/// (its timed park has run out) while worker 1 goes idle. Worker 1 parks
+/// with a timeout only if it sees itself the highest, else until woken;
+/// the retirer, after its count change and a fence, wakes worker 1 if it
+/// sees it parked. Either worker 1 sees the new count or it is woken:
+/// never parked for good while it is the highest (loom reports that as a
+/// deadlock). `retirer_fence: false` drops the retirer's fence, which the
+/// model must then catch.
+fn retirement_hand_off(retirer_fence: bool) {
+    model(move || {
+        let active = Arc::new(AtomicUsize::new(3));
+        let parked = Arc::new(AtomicBool::new(false));
+        let idle = {
+            let (active, parked) = (Arc::clone(&active), Arc::clone(&parked));
+            thread::spawn(move || {
+                // `idle`: step 1 (parked, fence), then the look at the count.
+                store_seq_cst(&parked, true);
+                if active.load(Ordering::SeqCst) == 2 {
+                    // The highest: a timed park, whose end it then acts on
+                    // (modelled as returning: the countdown ends).
+                    parked.swap(false, Ordering::SeqCst);
+                    return;
+                }
+                // Not the highest: park until woken (loom's park keeps an
+                // unpark that came first, as crossbeam's does).
+                thread::park();
+                parked.store(false, Ordering::SeqCst);
+                assert_eq!(active.load(Ordering::SeqCst), 2, "woken by the retirement");
+            })
+        };
+        let woken = idle.thread().clone();
+        // `try_retire` by worker 2, then the wake of worker 1.
+        active.compare_exchange(3, 2, Ordering::AcqRel, Ordering::Relaxed).unwrap();
+        if retirer_fence {
+            fence(Ordering::SeqCst);
+        }
+        // `Inbox::notify`.
+        if parked.load(Ordering::SeqCst) && parked.swap(false, Ordering::SeqCst) {
+            woken.unpark();
+        }
+        idle.join().unwrap();
+    });
+}
+
+/// Model 5: the retirement hand-off as in the code.
+#[test]
+fn a_retirement_wakes_the_worker_below_or_it_sees_itself_highest() {
+    retirement_hand_off(true);
+}
+
+/// Model 5 without the retirer's fence: the worker below can miss the new
+/// count while the retirer misses its `parked`, and it parks for good.
+#[test]
+#[should_panic]
+fn without_the_retirers_fence_the_worker_below_can_park_for_good() {
+    retirement_hand_off(false);
 }
