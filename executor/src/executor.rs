@@ -586,16 +586,13 @@ pub struct ExecutorStats {
 pub struct JoinHandle<T> {
     task: TaskRef,
     shared: Arc<Shared>,
-    /// Set by a `join` that found the task finished: its outcome is taken,
-    /// so the drop has nothing to detach.
-    joined: bool,
     _value: PhantomData<(T, std::cell::Cell<()>)>,
 }
 
 impl<T> JoinHandle<T> {
     /// `task` must have been created as a `TaskCell<T, _>`.
     pub(crate) fn from_parts(task: TaskRef, shared: Arc<Shared>) -> JoinHandle<T> {
-        JoinHandle { task, shared, joined: false, _value: PhantomData }
+        JoinHandle { task, shared, _value: PhantomData }
     }
 }
 
@@ -610,7 +607,9 @@ impl<T> JoinHandle<T> {
 /// panicking, where it is contained (and reported to a scope).
 impl<T> Drop for JoinHandle<T> {
     fn drop(&mut self) {
-        if self.joined {
+        // Set already by a `join` that took a finished task's outcome:
+        // nothing is left to detach. (Only this handle sets the flag.)
+        if self.task.detached.load(Ordering::Relaxed) {
             return;
         }
         self.task.detached.store(true, Ordering::Relaxed);
@@ -650,7 +649,7 @@ impl<T: Send> JoinHandle<T> {
     /// unwinds (a cancellation point); a finished fiber's outcome is
     /// returned at once.
     #[track_caller]
-    pub fn join(mut self) -> Result<T, JoinError> {
+    pub fn join(self) -> Result<T, JoinError> {
         let task = &self.task;
         if !task.finished.load(Ordering::Acquire) {
             // A fiber that may not sleep (its stack is being unwound after
@@ -672,10 +671,13 @@ impl<T: Send> JoinHandle<T> {
             }
         }
         // A finished task's outcome is taken below: nothing is left for
-        // the drop to detach. (A join failed by deadlock detection returns
-        // before the task finished: the drop detaches it.)
-        self.joined = task.finished.load(Ordering::Acquire);
-        let task = &self.task;
+        // the drop to detach, which the flag tells it (the fiber has looked
+        // at it already, before the task finished). A join failed by
+        // deadlock detection returns before the task finished: the drop
+        // detaches it.
+        if task.finished.load(Ordering::Acquire) {
+            task.detached.store(true, Ordering::Relaxed);
+        }
         // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
         if let Some(v) = unsafe { task.prefix::<T>() }.result.lock().take() {
             return Ok(v);

@@ -238,6 +238,8 @@ pub(crate) struct TaskHead {
     /// Set when the `JoinHandle` is dropped: the value is then dropped by
     /// the handle's drop or by the fiber that made it, never left for the
     /// last reference (which may be a worker thread, outside any fiber).
+    /// Also set by a `join` that took a finished task's outcome, which
+    /// tells the handle's drop that nothing is left.
     pub(crate) detached: AtomicBool,
     /// Set when a handle dropped on a panicking thread contained a panic
     /// of the value's drop: a scope reports it.
