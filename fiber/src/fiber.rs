@@ -1113,7 +1113,9 @@ impl<T> Fiber<T> {
         self.header().state.load()
     }
 
-    /// Usable stack bytes.
+    /// Usable stack bytes: of the stack it has, or had (a fiber whose
+    /// suspended function was unwound while a destructor kept a reference
+    /// to it has none any more; its `Debug` says so).
     pub fn stack_size(&self) -> usize {
         self.header().stack_size
     }
@@ -1405,12 +1407,16 @@ impl<T> Drop for Inner<T> {
 impl<T> fmt::Debug for Fiber<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = self.header();
-        f.debug_struct("Fiber")
-            .field("id", &h.id)
+        let mut d = f.debug_struct("Fiber");
+        d.field("id", &h.id)
             .field("name", &h.name)
             .field("state", &h.state.load())
             .field("priority", &h.priority())
-            .field("stack_size", &h.stack_size)
-            .finish()
+            .field("stack_size", &h.stack_size);
+        if h.stackless.load(Ordering::Relaxed) {
+            // Its stack went back when its function was unwound (NoStack).
+            d.field("stack", &"released");
+        }
+        d.finish()
     }
 }

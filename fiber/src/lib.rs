@@ -56,11 +56,14 @@
 //!   overflow report is lost (the process still dies on the fault). Each
 //!   thread that runs a fiber also gets an alternate signal stack, unmapped
 //!   when the thread exits, unless it already had one.
-//! * **A panic hook** that names the panicking fiber, then calls the hook
-//!   that was installed before. A hook set later with
-//!   [`std::panic::set_hook`] replaces it (reports then no longer name the
-//!   fiber); one that should keep the fiber's name can chain to
-//!   [`std::panic::take_hook`]'s result.
+//! * **A panic hook** that names the panicking fiber (a line `panic in
+//!   fiber 'name' (#id):` on stderr), then calls the hook that was
+//!   installed before. A hook set later with [`std::panic::set_hook`]
+//!   replaces it (reports then no longer name the fiber); one that should
+//!   keep the fiber's name can chain to [`std::panic::take_hook`]'s
+//!   result. A hook set *before* the first fiber, one that prints nothing
+//!   say, still gets that line in front of it: to silence panics in
+//!   fibers, set the hook after creating the first fiber.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

@@ -469,6 +469,11 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
         }
         assert_eq!(fiber.state(), FiberState::Finished);
         assert!(matches!(fiber.run(), Err(FiberError::NoStack(_))));
+        let shown = format!("{fiber:?}");
+        assert!(
+            shown.contains("stack: \"released\""),
+            "Debug says the stack is gone: {shown}"
+        );
     });
 }
 
