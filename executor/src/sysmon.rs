@@ -95,9 +95,19 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         // Only work another worker could take counts: woken fibers in the
         // stuck worker's own inbox are pinned to it, and a worker added
         // for them would find nothing, retire, and be added again.
+        // Looked: it finished a round since it was added (two beats: the
+        // first comes before its first look), or it is parked after one,
+        // or it is running a fiber or user code (it took work, or it was
+        // busy already: a retired worker running a fiber pinned to it,
+        // which cannot look until that returns and counts as stuck), or
+        // it retired again.
         let added_looked = added.iter().all(|&(i, beat)| {
             let w = &shared.workers[i];
-            w.hot.heartbeat.load(Ordering::Relaxed) != beat || !w.active.load(Ordering::Relaxed)
+            let beats = w.hot.heartbeat.load(Ordering::Relaxed).wrapping_sub(beat);
+            beats >= 2
+                || (beats == 1 && w.inbox.parked.load(Ordering::Relaxed))
+                || w.hot.running_fiber.load(Ordering::Relaxed) != 0
+                || !w.active.load(Ordering::Relaxed)
         });
         if stuck
             && added_looked
@@ -180,9 +190,8 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
     }
 }
 
-/// Adds 50% more workers (at least one), up to the maximum.
-/// Adds up to half the active workers (at least one); returns the workers
-/// it activated, each with its heartbeat just before.
+/// Adds half the active workers (at least one), up to the maximum;
+/// returns the workers it activated, each with its heartbeat just before.
 pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
     let max = shared.config.max_workers;
     // Retirements change `active` too (worker.rs, `try_retire`): both hold
@@ -209,6 +218,17 @@ pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
         return added;
     }
     shared.active.store(target, Ordering::Release);
+    // An added worker that parked before the count was stored (a new
+    // thread that found nothing, or one reactivated just before it parked)
+    // may have judged itself not the highest and parked with no timeout,
+    // never to retire: the count store, a fence, then a wake of each, the
+    // store-buffer pattern with its `parked` store, fence and look at the
+    // count (`Worker::idle`). Either it saw the new count or it is woken
+    // and looks again.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    for &(i, _) in &added {
+        shared.workers[i].notify();
+    }
     shared.note_workers();
     shared.stats.scale_ups.fetch_add(1, Ordering::Relaxed);
     crate::trace_event!(from = cur, to = target, "scale up");

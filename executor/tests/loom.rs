@@ -14,8 +14,9 @@
 //! mirrors, and a change there must be made here too. Mirrored:
 //!
 //! * worker side (`worker.rs`): `main_loop`, `next`, `drain_inbox`, `idle`
-//!   (base workers; the extra workers' choice of park and the retirement
-//!   hand-off have a model of their own, model 5), `WorkerCtx::push_local`;
+//!   (base workers; the extra workers' choice of park against a retirement
+//!   and against a scale-up have models of their own, models 5 and 6),
+//!   `WorkerCtx::push_local`;
 //! * notifier side (`shared.rs`): `Inbox::notify`, `Inbox::schedule`,
 //!   `Shared::push_fresh`, `wake_one_parked`, `work_visible`,
 //!   `pending_work`, `steal`, `wake_all`; and step 3 of `Executor::drop`
@@ -724,7 +725,70 @@ fn a_retirement_wakes_the_worker_below_or_it_sees_itself_highest() {
 /// Model 5 without the retirer's fence: the worker below can miss the new
 /// count while the retirer misses its `parked`, and it parks for good.
 #[test]
-#[should_panic]
+#[should_panic(expected = "deadlock")]
 fn without_the_retirers_fence_the_worker_below_can_park_for_good() {
     retirement_hand_off(false);
+}
+
+/// The scale-up hand-off (`sysmon.rs`: `scale_up` and `activate`, against
+/// `Worker::idle`'s choice of park). Worker 1, retired (count 1), is
+/// reactivated by a scale-up while it goes idle: `activate` sets its flag,
+/// fences and wakes it if parked, and `scale_up` then stores the new
+/// count (2), fences and wakes it again. The worker parks with a timeout
+/// only if it sees itself active and the highest, else until woken. It
+/// must not park for good while it is the highest (it would never retire;
+/// loom reports that as a deadlock). `wake_after_count: false` is the
+/// code before the wake after the count store, which the model must catch.
+fn scale_up_hand_off(wake_after_count: bool) {
+    model(move || {
+        let count = Arc::new(AtomicUsize::new(1));
+        let flag = Arc::new(AtomicBool::new(false));
+        let parked = Arc::new(AtomicBool::new(false));
+        let idle = {
+            let (count, flag, parked) = (Arc::clone(&count), Arc::clone(&flag), Arc::clone(&parked));
+            thread::spawn(move || {
+                // `idle`: step 1 (parked, fence), then the choice of park.
+                store_seq_cst(&parked, true);
+                if flag.load(Ordering::Relaxed) && count.load(Ordering::SeqCst) == 2 {
+                    // The highest: a timed park, whose end it acts on.
+                    parked.swap(false, Ordering::SeqCst);
+                    return;
+                }
+                thread::park();
+                parked.store(false, Ordering::SeqCst);
+            })
+        };
+        let worker = idle.thread().clone();
+        // `Inbox::notify`.
+        let notify = || {
+            if parked.load(Ordering::SeqCst) && parked.swap(false, Ordering::SeqCst) {
+                worker.unpark();
+            }
+        };
+        // `activate` of a started worker.
+        flag.store(true, Ordering::Release);
+        fence(Ordering::SeqCst);
+        notify();
+        // `scale_up`, after its activations.
+        count.store(2, Ordering::Release);
+        if wake_after_count {
+            fence(Ordering::SeqCst);
+            notify();
+        }
+        idle.join().unwrap();
+    });
+}
+
+/// Model 6: the scale-up hand-off as in the code.
+#[test]
+fn a_scale_up_wakes_a_worker_that_parked_before_the_count_or_it_sees_it() {
+    scale_up_hand_off(true);
+}
+
+/// Model 6 without the wake after the count store: a worker that parked
+/// between its activation and the count store parks for good.
+#[test]
+#[should_panic(expected = "deadlock")]
+fn without_the_wake_after_the_count_a_new_highest_can_park_for_good() {
+    scale_up_hand_off(false);
 }

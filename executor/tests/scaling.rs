@@ -246,3 +246,62 @@ fn a_burst_of_hogs_adds_about_one_worker_per_hog() {
         );
     });
 }
+
+/// A retired worker that runs a fiber pinned to it (woken there) which then
+/// hogs, while another hog holds the only active worker: a job spawned now
+/// needs a new worker. Sysmon's scale-up reactivates the busy retired
+/// worker first (the lowest inactive slot); it cannot look for work until
+/// its fiber returns, and sysmon must not wait for it to before adding
+/// another (it did: the job never ran).
+#[test]
+fn a_busy_retired_worker_reactivated_does_not_stop_scaling() {
+    watchdog("a_busy_retired_worker_reactivated_does_not_stop_scaling", 60, |stage| {
+        let exec = Executor::builder()
+            .workers(1)
+            .max_workers(4)
+            .stuck_threshold(Duration::from_millis(2))
+            .idle_retire(Duration::from_millis(20))
+            .build();
+        let stop = Flag::new();
+        let (hog_running, f_started, f_hogging) = (Flag::new(), Flag::new(), Flag::new());
+        let gate = Arc::new(spindle_sync::Semaphore::new(0));
+        let hog = {
+            let (stop, running) = (stop.clone(), hog_running.clone());
+            exec.spawn(move || {
+                running.set();
+                while !stop.is_set() {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        wait_for(&stage, "the hog to hold worker 0", || hog_running.is_set());
+        let f = {
+            let (stop, started, hogging, gate) =
+                (stop.clone(), f_started.clone(), f_hogging.clone(), gate.clone());
+            exec.spawn(move || {
+                started.set();
+                gate.acquire();
+                hogging.set();
+                while !stop.is_set() {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        stage.set("waiting for F to start on an added worker, and that worker to retire while F sleeps");
+        while !(f_started.is_set() && gate.waiters() == 1 && exec.stats().workers == 1) {
+            std::thread::yield_now();
+        }
+        gate.release(1);
+        wait_for(&stage, "F to hog its retired worker", || f_hogging.is_set());
+        let ran = Flag::new();
+        let job = {
+            let ran = ran.clone();
+            exec.spawn(move || ran.set())
+        };
+        wait_for(&stage, "the job behind the two hogs to run on a worker added for it", || ran.is_set());
+        stop.set();
+        for h in [hog, f, job] {
+            h.join().unwrap();
+        }
+    });
+}
