@@ -103,7 +103,8 @@ impl Default for Builder {
 
 impl Builder {
     /// Initial (base) number of workers. Default: `SPINDLE_WORKERS` if set
-    /// (a value that is not a number is reported on stderr and ignored),
+    /// and not empty (a value that is not a number of workers up to
+    /// [`MAX_WORKERS`] is reported on stderr once per process and ignored),
     /// else the number of available cores. 0 counts as 1.
     ///
     /// # Panics
@@ -184,7 +185,9 @@ impl Builder {
         self
     }
 
-    /// How long an extra worker stays idle before it retires (default 100 ms).
+    /// How long an extra worker stays idle before it retires (default
+    /// 100 ms). Extra workers retire from the highest down, each once it
+    /// has been idle this long.
     pub fn idle_retire(mut self, d: Duration) -> Builder {
         self.idle_retire = d;
         self

@@ -21,8 +21,8 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// or asleep in the executor (in `sleep`, `join`, a yield) are unwound on
 /// their worker and their joins fail with [`JoinError::Cancelled`], and
 /// every thread is joined before `drop` returns. (Dropped on one of its own
-/// threads, inside one of its fibers or on its monitor thread by a value's
-/// `Drop`, it cannot wait for that thread: the shutdown then runs on a
+/// threads, inside one of its fibers or on its monitor thread by a panic
+/// payload's `Drop`, it cannot wait for that thread: the shutdown then runs on a
 /// thread of its own, and `drop` returns at once.) Fibers in an
 /// interruptible wait on a `spindle-sync` primitive
 /// (`acquire_interruptible`, `pop_interruptible`) are interrupted and

@@ -50,8 +50,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         shared.workers.iter().map(|_| Watch { beat: 0, since: Instant::now() }).collect();
     let mut last_scale = Instant::now();
     // The workers the last scale-up activated, with their heartbeats just
-    // before: the next scale-up waits until each has beaten (looked for
-    // work) or retired again, so that jobs a new thread has not had a
+    // before: the next scale-up waits until each has looked for work
+    // (finished a round, or parked after its first), is running a fiber or
+    // user code, or retired again, so that jobs a new thread has not had a
     // chance to take do not count as stranded twice.
     let mut added: Vec<(usize, u64)> = Vec::new();
     // Since when (and at which heartbeat sum and blocked-thread
@@ -84,8 +85,8 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
                 crate::trace_event!(worker = w.index, "time slice overrun");
             }
             // Only a worker inside a fiber, or running user code outside
-            // one (`BUSY_OUTSIDE_FIBER`: a task's value dropped in its
-            // loop), is stuck; one that is searching or was descheduled by
+            // one (`BUSY_OUTSIDE_FIBER`: an unjoined panic's payload or a
+            // cancelled job's closure dropped in its loop), is stuck; one that is searching or was descheduled by
             // the OS between fibers is not.
             if stalled >= shared.config.stuck_threshold && w.hot.running_fiber.load(Ordering::Relaxed) != 0 {
                 stuck = true;

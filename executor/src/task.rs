@@ -381,8 +381,9 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
 
 /// Drops a caught panic's payload without letting a panic of its own drop
 /// (`panic_any` of a value whose `Drop` panics) escape: that second
-/// payload is leaked. A worker contains the first panic of a value's or a
-/// closure's drop this way, and must not die of the second.
+/// payload is leaked. A worker contains the first panic of a closure's or
+/// a panic payload's drop this way, and a handle dropped on a panicking
+/// thread that of a value's drop; neither must die of the second.
 ///
 /// One unwind is handed back instead: a payload whose drop suspended the
 /// running fiber, which was then dropped, comes back with that fiber's

@@ -679,8 +679,9 @@ fn take_task(fiber: &Task) -> TaskRef {
 /// global queue before its local deque (see `Worker::next`).
 const OUTSIDE_EVERY: u64 = 61;
 
-/// `running_fiber` while a worker runs user code outside any fiber (a
-/// task's value or closure dropped in the worker loop): never a fiber id,
+/// `running_fiber` while a worker runs user code outside any fiber (an
+/// unjoined panic's payload or a cancelled job's closure dropped in the
+/// worker loop): never a fiber id,
 /// and not 0, so sysmon counts the worker as stuck if that code blocks,
 /// and adds a worker for the work it strands.
 pub(crate) const BUSY_OUTSIDE_FIBER: u64 = u64::MAX;

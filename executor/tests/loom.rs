@@ -20,7 +20,7 @@
 //! * notifier side (`shared.rs`): `Inbox::notify`, `Inbox::schedule`,
 //!   `Shared::push_fresh`, `wake_one_parked`, `work_visible`,
 //!   `pending_work`, `steal`, `wake_all`; and step 3 of `Executor::drop`
-//!   (`exit`, then `wake_all`), which ends every model.
+//!   (`exit`, then `wake_all`), which ends models 1-4.
 //!
 //! Modelled:
 //!
@@ -40,9 +40,10 @@
 //!   store followed by a SeqCst fence (`Worker::idle`), which loom models
 //!   exactly ([`store_seq_cst`]), pairing with the notifier's fence.
 //!
-//! Every model ends with all its jobs run and every worker gone: a lost
+//! Models 1-4 end with all their jobs run and every worker gone: a lost
 //! wakeup leaves a worker parked with work queued that nobody else can take
-//! (loom reports a deadlock).
+//! (loom reports a deadlock). Models 5 and 6 end when their idle worker has
+//! either seen itself the highest or been woken.
 
 #![cfg(loom)]
 

@@ -193,10 +193,12 @@ impl Drop for DoubleBomb {
     }
 }
 
-/// The same three ways of dropping user code on a worker (an unjoined
-/// value, the payload of an unjoined panic, the closure of a cancelled
-/// job), each panicking with a payload whose drop panics again: the
-/// worker contains both panics (the second payload is leaked) and runs on.
+/// Three ways of dropping user code that panics with a payload whose drop
+/// panics again: an unjoined value (dropped on its fiber: the fiber's own
+/// panic, whose payload the worker then drops and contains), the payload
+/// of an unjoined panic and the closure of a cancelled job (dropped by the
+/// worker, which contains both panics, leaking the second payload). The
+/// worker runs on.
 #[test]
 fn a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running() {
     watchdog("a_drop_whose_panic_payload_panics_when_dropped_leaves_the_worker_running", 30, |stage| {

@@ -233,13 +233,13 @@ fn settings_no_executor_can_have_are_refused_by_the_builder() {
     assert_eq!(exec.block_on(|| 7).unwrap(), 7);
 }
 
-/// A value nobody joined is dropped by the worker that completed its task,
-/// outside any fiber. If its `Drop` spawns and joins, the join blocks that
-/// worker: the spawn must not go to the worker's own local queue (with one
-/// worker nothing would ever run it), and sysmon must count the blocked
-/// worker as stuck and add one, which runs the job.
+/// A detached fiber's value whose `Drop` spawns and joins: it is dropped
+/// on the fiber that returned it, so the spawn goes to that worker's local
+/// queue and the join puts the fiber to sleep while the worker runs the
+/// job. (It used to be dropped by the worker outside any fiber, where the
+/// join blocked the worker.)
 #[test]
-fn a_value_dropped_by_a_worker_that_spawns_and_joins_completes() {
+fn a_detached_value_whose_drop_spawns_and_joins_completes() {
     use spindle_executor::sync::Semaphore;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
@@ -251,7 +251,7 @@ fn a_value_dropped_by_a_worker_that_spawns_and_joins_completes() {
             self.1.store(got, Ordering::SeqCst);
         }
     }
-    watchdog("a_value_dropped_by_a_worker_that_spawns_and_joins_completes", 60, |stage| {
+    watchdog("a_detached_value_whose_drop_spawns_and_joins_completes", 60, |stage| {
         let exec = Executor::builder().workers(1).build();
         let (handle, joined) = (exec.handle(), Arc::new(AtomicU64::new(0)));
         let handle_dropped = Arc::new(Semaphore::new(0));
@@ -363,5 +363,57 @@ fn a_detached_value_whose_drop_spawns_and_joins_completes_without_scaling() {
             std::thread::yield_now();
         }
         assert_eq!(joined.load(Ordering::SeqCst), 7);
+    });
+}
+
+/// A job cancelled before it started is dropped by the worker, outside any
+/// fiber (`BUSY_OUTSIDE_FIBER`): a capture whose `Drop` spawns and joins
+/// blocks that worker in the join. Sysmon counts the worker as stuck (the
+/// mark) and adds one, which runs the job spawned there.
+#[test]
+fn a_cancelled_jobs_capture_that_spawns_and_joins_in_its_drop_completes() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    struct SpawnsAndJoinsOnDrop(Handle, Arc<AtomicU64>);
+    impl Drop for SpawnsAndJoinsOnDrop {
+        fn drop(&mut self) {
+            let got = self.0.spawn(|| 7).join().expect("the job spawned in the drop ran");
+            self.1.store(got, Ordering::SeqCst);
+        }
+    }
+    watchdog("a_cancelled_jobs_capture_that_spawns_and_joins_in_its_drop_completes", 60, |stage| {
+        // A stuck threshold long enough that no worker is added while the
+        // job is spawned and cancelled (it would start it).
+        let exec =
+            Executor::builder().workers(1).max_workers(2).stuck_threshold(Duration::from_millis(50)).build();
+        let joined = Arc::new(AtomicU64::new(0));
+        let (held, release) = (Flag::new(), Flag::new());
+        let blocker = {
+            let (held, release) = (held.clone(), release.clone());
+            exec.spawn(move || {
+                held.set();
+                while !release.is_set() {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        stage.set("holding the only worker");
+        while !held.is_set() {
+            std::thread::yield_now();
+        }
+        let capture = SpawnsAndJoinsOnDrop(exec.handle(), joined.clone());
+        let never_run = exec.spawn(move || drop(capture));
+        never_run.cancel();
+        release.set();
+        blocker.join().unwrap();
+        stage.set("waiting for the capture's drop, on the worker, to spawn and join");
+        while joined.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(joined.load(Ordering::SeqCst), 7);
+        assert!(never_run.join().unwrap_err().is_cancelled());
+        assert!(exec.stats().scale_ups >= 1, "a worker was added for the job: {:?}", exec.stats());
     });
 }

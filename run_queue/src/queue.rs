@@ -279,9 +279,10 @@ impl<T> fmt::Display for PushError<T> {
     }
 }
 
-/// The message of [`NotReady`](PushError::NotReady) includes the fiber's
-/// own error, so `source()` is `None` (a reporter that walks the chain
-/// would print it twice).
+/// The message of [`NotReady`](PushError::NotReady) says why the fiber
+/// cannot be queued (in its own words for a queued, finished, running or
+/// sleeping fiber, else with the fiber's error), so `source()` is `None`
+/// (a reporter that walks the chain would print it twice).
 impl<T> std::error::Error for PushError<T> {}
 
 /// A fiber taken from the queue and run by [`RunQueue::run_next`].
