@@ -180,7 +180,10 @@ pub enum RunOutcome<T> {
     Returned(T),
     /// The fiber went to sleep on a synchronisation primitive. It is now
     /// owned by that primitive's wait list: whoever wakes it puts it back
-    /// on its run queue (or makes it `Ready` if it has none).
+    /// on its run queue (or makes it `Ready` if it has none). A wake that
+    /// came while it was switching out is finished by `run` itself, so by
+    /// the time `Slept` is returned the fiber may already be back in its
+    /// queue (or `Ready`).
     Slept,
     /// The function panicked; the fiber may get a new function. Call
     /// [`Panic::resume_unwind`] to propagate it. (Boxed: a `RunOutcome`
@@ -248,6 +251,11 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// that cannot take it (shut down) calls
     /// [`Fiber::mark_dequeued`] and drops its reference (the last one
     /// unwinds the fiber, as any last reference does).
+    ///
+    /// It may be called from inside [`Fiber::run`], on the runner's thread
+    /// (a wake that came while the fiber was switching out to sleep is
+    /// finished there): queue the fiber, do not run it inline, or `run`
+    /// reports [`RunOutcome::Slept`] for a fiber that has run on since.
     fn schedule(&self, fiber: Fiber<T>);
 }
 
@@ -361,6 +369,14 @@ impl<T> Inner<T> {
 /// suspended initializer then replaces and frees when it finishes. This is
 /// a known gap in the safety of the API (DESIGN.md, "Known gaps"), shared
 /// with every stackful coroutine.
+///
+/// Do not suspend while `std::thread::panicking()` is true either: in a
+/// destructor run by a panic's unwind, or inside a panic hook (a hook that
+/// yields, or waits on a `spindle-sync` primitive). std counts panics per
+/// thread: the runner's thread stays "panicking" until the fiber resumes,
+/// and after a suspension inside a hook, the next panic on that thread
+/// aborts the process. Not undefined behaviour, but nothing to rely on
+/// (DESIGN.md, "Known gaps", "Suspending while unwinding").
 ///
 /// ```compile_fail,E0277
 /// // Captured values must be Send: an Rc could be reached from two threads.
@@ -555,8 +571,10 @@ impl<T: Send + 'static> Fiber<T> {
     ///   a `LocalKey::with` closure), and thread-locals read after a
     ///   suspension are read through a function that is not inlined into
     ///   the one that suspended (llvm/llvm-project#98479);
-    /// - the fiber does not suspend while it unwinds from a panic (std
-    ///   counts panics per thread).
+    /// - the fiber does not suspend while `std::thread::panicking()` is
+    ///   true: while it unwinds from a panic, or inside a panic hook, which
+    ///   runs before the unwind (std counts panics per thread, and marks
+    ///   the thread as being in a hook: a later panic there aborts).
     pub unsafe fn set_function_migratable<F>(&self, priority: Priority, f: F) -> Result<(), FiberError>
     where
         F: FnOnce() -> T + Send + 'static,

@@ -95,7 +95,8 @@ impl MsgHeader {
     /// and a pointer whose provenance covers them: derive it from a pointer
     /// to the whole block, not from a reference to the header field) for
     /// the `len` bytes directly after the header, which the header's `buf`
-    /// then points to.
+    /// then points to. The header is not on a channel (its link is
+    /// overwritten).
     pub unsafe fn init_trailing(this: *mut MsgHeader, len: usize) {
         // SAFETY: the caller guarantees `this` is writable; the payload
         // address is one header past it, inside the same allocation.
@@ -241,7 +242,8 @@ impl RawChannel {
     ///
     /// # Safety
     /// The header is properly aligned and was initialised by
-    /// [`MsgHeader::new`] or [`MsgHeader::init_trailing`]. From the push
+    /// [`MsgHeader::new`] or [`MsgHeader::init_trailing`] (and may since
+    /// have been pushed and popped, any number of times). From the push
     /// until it is popped (or the channel is dropped), the channel owns it:
     /// it stays valid and is not moved, and the caller neither reads nor
     /// writes it nor holds a reference to it (the channel's drop writes to

@@ -190,18 +190,38 @@ impl Semaphore {
     ///
     /// # Panics
     /// If the count of available tokens would pass `usize::MAX` (the
-    /// tokens handed to waiters before that stay handed).
+    /// tokens handed to waiters before that stay handed). A wake whose
+    /// scheduler panics (`Schedule::schedule` must not) unwinds out of
+    /// `release`; the tokens not handed out by then are added to the count
+    /// rather than lost (waiters still asleep get tokens at the next
+    /// release).
     pub fn release(&self, n: usize) {
-        let mut left = n;
-        while left > 0 {
+        /// The tokens not handed out yet: counted as available if a wake
+        /// unwinds.
+        struct Rest<'a> {
+            sem: &'a Semaphore,
+            left: usize,
+        }
+        impl Drop for Rest<'_> {
+            fn drop(&mut self) {
+                if self.left > 0 {
+                    let mut synced = self.sem.synced.lock();
+                    synced.tokens = synced.tokens.saturating_add(self.left);
+                }
+            }
+        }
+        let mut rest = Rest { sem: self, left: n };
+        while rest.left > 0 {
             let mut synced = self.synced.lock();
             match synced.waiters.pop_front(ptr::null_mut()) {
                 Some(wakeup) => {
                     drop(synced);
+                    // Handed to that waiter, whatever its wake does.
+                    rest.left -= 1;
                     wakeup.wake();
-                    left -= 1;
                 }
                 None => {
+                    let left = std::mem::take(&mut rest.left);
                     // Checked in every build: a wrapped count would hand
                     // out tokens that were never released.
                     let available = synced.tokens;

@@ -474,3 +474,36 @@ fn a_release_that_overflows_the_count_panics() {
     assert!(msg.downcast_ref::<String>().is_some_and(|m| m.contains("overflows")), "{msg:?}");
     assert_eq!(sem.available(), usize::MAX, "the count is unchanged");
 }
+
+/// A scheduler that panics in `schedule` (against the trait's contract):
+/// `release(2)` unwinds at the first wake, and the token it had not handed
+/// out yet is counted as available, not lost; the token handed to the
+/// woken fiber comes back when that fiber is dropped.
+#[test]
+fn a_release_whose_wake_panics_loses_no_token() {
+    use spindle_fiber::Schedule;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    struct PanicsInSchedule;
+    impl Schedule<()> for PanicsInSchedule {
+        fn schedule(&self, _fiber: Fiber<()>) {
+            panic!("schedule panics");
+        }
+    }
+    watchdog("a_release_whose_wake_panics_loses_no_token", 30, |_stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let home: Arc<dyn Schedule<()>> = Arc::new(PanicsInSchedule);
+        let fiber = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
+        let s = Arc::clone(&sem);
+        fiber.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
+        fiber.mark_queued(Some(&home)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        let released = catch_unwind(AssertUnwindSafe(|| sem.release(2)));
+        assert!(released.is_err(), "the scheduler's panic comes out of release");
+        assert_eq!(sem.available(), 1, "the token not handed out yet is counted");
+        assert_eq!(sem.waiters(), 0);
+        drop(fiber);
+        assert_eq!(sem.available(), 2, "the token handed to the dropped fiber is given back");
+    });
+}
