@@ -359,6 +359,14 @@ mod tests {
     /// from going quiet ends only after the drop returns.
     #[test]
     fn an_executor_dropped_on_its_sysmon_thread_shuts_down_elsewhere() {
+        spindle_test_support::watchdog(
+            "an_executor_dropped_on_its_sysmon_thread_shuts_down_elsewhere",
+            60,
+            |stage| dropped_on_sysmon(&stage),
+        );
+    }
+
+    fn dropped_on_sysmon(stage: &spindle_test_support::Stage) {
         let exec = Executor::builder().workers(1).build();
         let (started, release) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
         let busy = {
@@ -374,6 +382,7 @@ mod tests {
             std::thread::yield_now();
         }
         let handle = exec.handle();
+        stage.set("dropping the executor on a thread marked as its sysmon");
         let dropper = std::thread::spawn(move || {
             super::SYSMON_OF.with(|s| s.set(Arc::as_ptr(&handle.shared)));
             drop(exec);
@@ -387,7 +396,9 @@ mod tests {
         }
         let handle = dropper.join().unwrap();
         release.store(true, Ordering::SeqCst);
+        stage.set("joining the busy fiber after the drop returned");
         busy.join().expect("the busy fiber finished normally");
+        stage.set("waiting for the shutdown, on its own thread, to refuse spawns");
         // The shutdown goes on on its own thread: spawns fail once it began.
         while !handle.spawn(|| ()).join().is_err_and(|e| e.is_cancelled()) {
             assert!(Instant::now() < deadline, "the executor never shut down");

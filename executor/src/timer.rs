@@ -305,39 +305,52 @@ mod tests {
     /// fiber's removal of its timer waits for that firing, so the task's
     /// unjoined panic payload is dropped on its worker, not on sysmon.
     #[test]
-    fn a_sleep_timer_taken_as_a_wake_ends_the_sleep_does_not_drop_the_value_on_sysmon() {
+    fn a_sleep_timer_taken_as_a_wake_ends_the_sleep_does_not_drop_the_payload_on_sysmon() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         REMOVE_WAITED.store(0, Ordering::SeqCst);
-        let exec = Executor::builder().workers(1).build();
-        let (after_tx, after_rx) = mpsc::channel::<()>();
-        let (handle_tx, handle_rx) = mpsc::channel();
-        let handle_rx = Mutex::new(handle_rx);
-        let after_rx = Mutex::new(after_rx);
-        *SLEEP_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
-            let handle = handle_rx
-                .lock()
-                .unwrap()
-                .recv_timeout(Duration::from_secs(30))
-                .expect("the test sends the task's handle");
-            // End the sleep another way, and let go of the task.
-            crate::JoinHandle::<()>::wake(&handle);
-            drop(handle);
-            stall_until_done_or_waiting(&after_rx.lock().unwrap());
-        }));
-        let (drop_tx, drop_rx) = mpsc::channel();
-        let handle = exec.spawn(move || {
-            // Never reached: the timer is taken first, and the wake ends it.
-            crate::sleep(Duration::from_millis(1));
-            // Runs once this task has ended (one worker, no yield before).
-            drop(spawn(move || after_tx.send(()).unwrap()));
-            std::panic::panic_any(RecordsDropThread(drop_tx))
-        });
-        handle_tx.send(handle).unwrap();
-        let thread =
-            drop_rx.recv_timeout(Duration::from_secs(30)).expect("the panic payload was never dropped");
-        *SLEEP_ENTRY_TAKEN.lock().unwrap() = None;
-        assert_ne!(thread, "spindle-sysmon", "the task's unjoined panic payload was dropped on sysmon");
-        assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the fiber did not meet the firing in flight");
+        spindle_test_support::watchdog(
+            "a_sleep_timer_taken_as_a_wake_ends_the_sleep_does_not_drop_the_payload_on_sysmon",
+            60,
+            |_stage| {
+                let exec = Executor::builder().workers(1).build();
+                let (after_tx, after_rx) = mpsc::channel::<()>();
+                let (handle_tx, handle_rx) = mpsc::channel();
+                let handle_rx = Mutex::new(handle_rx);
+                let after_rx = Mutex::new(after_rx);
+                *SLEEP_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
+                    let handle = handle_rx
+                        .lock()
+                        .unwrap()
+                        .recv_timeout(Duration::from_secs(30))
+                        .expect("the test sends the task's handle");
+                    // End the sleep another way, and let go of the task.
+                    crate::JoinHandle::<()>::wake(&handle);
+                    drop(handle);
+                    stall_until_done_or_waiting(&after_rx.lock().unwrap());
+                }));
+                let (drop_tx, drop_rx) = mpsc::channel();
+                let handle = exec.spawn(move || {
+                    // Never reached: the timer is taken first, and the wake ends it.
+                    crate::sleep(Duration::from_millis(1));
+                    // Runs once this task has ended (one worker, no yield before).
+                    drop(spawn(move || after_tx.send(()).unwrap()));
+                    std::panic::panic_any(RecordsDropThread(drop_tx))
+                });
+                handle_tx.send(handle).unwrap();
+                let thread = drop_rx
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("the panic payload was never dropped");
+                *SLEEP_ENTRY_TAKEN.lock().unwrap() = None;
+                assert_ne!(
+                    thread, "spindle-sysmon",
+                    "the task's unjoined panic payload was dropped on sysmon"
+                );
+                assert!(
+                    REMOVE_WAITED.load(Ordering::SeqCst) > 0,
+                    "the fiber did not meet the firing in flight"
+                );
+            },
+        );
     }
 
     /// An `interrupt_after` deadline that sysmon takes out of the map just
@@ -349,35 +362,48 @@ mod tests {
     /// call's end clears the mark; before the wait, the call took the
     /// waiter first and the task ended while sysmon held a reference.)
     #[test]
-    fn a_deadline_taken_as_its_call_ends_does_not_drop_the_value_on_sysmon() {
+    fn a_deadline_taken_as_its_call_ends_does_not_drop_the_payload_on_sysmon() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         REMOVE_WAITED.store(0, Ordering::SeqCst);
-        let exec = Executor::builder().workers(1).build();
-        let taken = Arc::new(AtomicBool::new(false));
-        let (after_tx, after_rx) = mpsc::channel::<()>();
-        let after_rx = Mutex::new(after_rx);
-        {
-            let taken = Arc::clone(&taken);
-            *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
-                taken.store(true, Ordering::SeqCst);
-                stall_until_done_or_waiting(&after_rx.lock().unwrap());
-            }));
-        }
-        let (drop_tx, drop_rx) = mpsc::channel();
-        drop(exec.spawn(move || {
-            interrupt_after(Duration::from_millis(1), || {
-                while !taken.load(Ordering::SeqCst) {
-                    yield_now();
+        spindle_test_support::watchdog(
+            "a_deadline_taken_as_its_call_ends_does_not_drop_the_payload_on_sysmon",
+            60,
+            |_stage| {
+                let exec = Executor::builder().workers(1).build();
+                let taken = Arc::new(AtomicBool::new(false));
+                let (after_tx, after_rx) = mpsc::channel::<()>();
+                let after_rx = Mutex::new(after_rx);
+                {
+                    let taken = Arc::clone(&taken);
+                    *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = Some(Box::new(move || {
+                        taken.store(true, Ordering::SeqCst);
+                        stall_until_done_or_waiting(&after_rx.lock().unwrap());
+                    }));
                 }
-            });
-            // Runs once this task has ended (one worker, no yield before).
-            drop(spawn(move || after_tx.send(()).unwrap()));
-            std::panic::panic_any(RecordsDropThread(drop_tx))
-        }));
-        let thread =
-            drop_rx.recv_timeout(Duration::from_secs(30)).expect("the panic payload was never dropped");
-        *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = None;
-        assert_ne!(thread, "spindle-sysmon", "the task's unjoined panic payload was dropped on sysmon");
-        assert!(REMOVE_WAITED.load(Ordering::SeqCst) > 0, "the call's end did not meet the firing in flight");
+                let (drop_tx, drop_rx) = mpsc::channel();
+                drop(exec.spawn(move || {
+                    interrupt_after(Duration::from_millis(1), || {
+                        while !taken.load(Ordering::SeqCst) {
+                            yield_now();
+                        }
+                    });
+                    // Runs once this task has ended (one worker, no yield before).
+                    drop(spawn(move || after_tx.send(()).unwrap()));
+                    std::panic::panic_any(RecordsDropThread(drop_tx))
+                }));
+                let thread = drop_rx
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("the panic payload was never dropped");
+                *INTERRUPT_ENTRY_TAKEN.lock().unwrap() = None;
+                assert_ne!(
+                    thread, "spindle-sysmon",
+                    "the task's unjoined panic payload was dropped on sysmon"
+                );
+                assert!(
+                    REMOVE_WAITED.load(Ordering::SeqCst) > 0,
+                    "the call's end did not meet the firing in flight"
+                );
+            },
+        );
     }
 }

@@ -361,19 +361,21 @@ fn drop_interrupts_fibers_in_interruptible_waits() {
     watchdog("drop_interrupts_fibers_in_interruptible_waits", 30, |stage| {
         let exec = Executor::builder().workers(1).build();
         let chan = Arc::new(Channel::<u32>::new());
-        let dropped = Flag::new();
+        let (dropped, interrupted) = (Flag::new(), Flag::new());
         let h = {
-            let (chan, guard) = (Arc::clone(&chan), dropped.on_drop());
+            let (chan, guard, interrupted) = (Arc::clone(&chan), dropped.on_drop(), interrupted.clone());
             exec.spawn(move || {
                 let _local = guard;
-                let r = chan.pop_interruptible();
+                if chan.pop_interruptible().is_err() {
+                    interrupted.set();
+                }
                 yield_now(); // a cancellation point
-                r.is_err()
             })
         };
         wait_for(&stage, "the fiber to wait", || chan.receivers() == 1);
         drop(exec);
         assert!(h.join().is_err_and(|e| e.is_cancelled()));
+        assert!(interrupted.is_set(), "the wait returned Interrupted");
         assert!(dropped.is_set(), "the fiber was unwound, its locals dropped");
         assert_eq!(chan.receivers(), 0);
     });

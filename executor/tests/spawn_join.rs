@@ -241,12 +241,16 @@ fn settings_no_executor_can_have_are_refused_by_the_builder() {
 #[test]
 fn a_detached_value_whose_drop_spawns_and_joins_completes() {
     use spindle_executor::sync::Semaphore;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
-    struct SpawnsAndJoinsOnDrop(Handle, Arc<AtomicU64>);
+    struct SpawnsAndJoinsOnDrop(Handle, Arc<AtomicU64>, Arc<AtomicBool>);
     impl Drop for SpawnsAndJoinsOnDrop {
         fn drop(&mut self) {
+            // Where the drop runs: on the fiber (the behaviour under test;
+            // with scaling on, a drop on the worker would complete too,
+            // through an added worker).
+            self.2.store(spindle_fiber::in_fiber(), Ordering::SeqCst);
             let got = self.0.spawn(|| 7).join().expect("the job spawned in the drop ran");
             self.1.store(got, Ordering::SeqCst);
         }
@@ -254,13 +258,14 @@ fn a_detached_value_whose_drop_spawns_and_joins_completes() {
     watchdog("a_detached_value_whose_drop_spawns_and_joins_completes", 60, |stage| {
         let exec = Executor::builder().workers(1).build();
         let (handle, joined) = (exec.handle(), Arc::new(AtomicU64::new(0)));
+        let on_fiber = Arc::new(AtomicBool::new(false));
         let handle_dropped = Arc::new(Semaphore::new(0));
-        let (go, j) = (handle_dropped.clone(), joined.clone());
+        let (go, j, f) = (handle_dropped.clone(), joined.clone(), on_fiber.clone());
         // Detached: its value is dropped by the fiber that returns it, once
         // the handle is gone before it returns.
         drop(exec.spawn(move || {
             go.acquire();
-            SpawnsAndJoinsOnDrop(handle, j)
+            SpawnsAndJoinsOnDrop(handle, j, f)
         }));
         handle_dropped.release(1);
         stage.set("waiting for the value's drop to spawn and join");
@@ -268,6 +273,7 @@ fn a_detached_value_whose_drop_spawns_and_joins_completes() {
             std::thread::yield_now();
         }
         assert_eq!(joined.load(Ordering::SeqCst), 7);
+        assert!(on_fiber.load(Ordering::SeqCst), "the value was dropped on its fiber");
         stage.set("the executor runs other work afterwards");
         assert_eq!(exec.block_on(|| 1).unwrap(), 1);
     });
@@ -332,7 +338,7 @@ fn a_detached_value_whose_drop_joins_a_fiber_of_the_same_worker_completes() {
     });
 }
 
-/// The same as `a_value_dropped_by_a_worker_that_spawns_and_joins_completes`
+/// The same as `a_detached_value_whose_drop_spawns_and_joins_completes`
 /// with scaling off: no other worker can be added to run the job the
 /// value's drop spawns, so the drop must not block the only worker.
 #[test]

@@ -143,8 +143,10 @@ fn a_fiber_that_keeps_spawning_does_not_starve_jobs_from_outside() {
             std::thread::yield_now();
         }
         stage.set("a job spawned from outside, joined while the flood goes on");
+        let before = spawned.load(Ordering::Relaxed);
         assert_eq!(exec.spawn(|| 42).join().unwrap(), 42);
-        assert!(!stop.is_set());
+        assert!(!flood.is_finished(), "the flood was still going when the outside job ran");
+        assert!(spawned.load(Ordering::Relaxed) > before, "the flood kept spawning meanwhile");
         stop.set();
         flood.join().unwrap();
     });

@@ -342,10 +342,19 @@ fn interrupt_after_gives_an_interruptible_wait_a_deadline() {
         let later = exec.spawn(move || {
             interrupt_after(Duration::from_millis(1), || {
                 // Busy past the deadline, reaching no interruptible wait,
-                // until the timer has fired (polled, not assumed).
-                let start = Instant::now();
-                while start.elapsed() < Duration::from_millis(5) {
+                // until the timer has fired. A timed yield begun after the
+                // deadline shows it either way: if it times out, sysmon has
+                // fired every timer due before it (timers fire in deadline
+                // order), the deadline's among them; if it ends early, it
+                // was woken, and only the fired deadline wakes it here.
+                // Polled, not assumed.
+                let begun = Instant::now();
+                loop {
+                    let after_deadline = begun.elapsed() >= Duration::from_millis(1);
                     yield_timeout(Duration::from_millis(1));
+                    if after_deadline {
+                        break;
+                    }
                 }
             });
             // A later wait is not interrupted by it: the release below

@@ -91,9 +91,14 @@ fn unwinding_drops_every_frame_innermost_first_with_current_naming_the_fiber() {
     });
 }
 
+/// Of two handles to a suspended fiber, dropping the first leaves it
+/// alone; dropping the last unwinds it (its local dropped once, its stack
+/// not leaked).
 #[test]
 fn the_last_handle_unwinds_the_fiber() {
+    let _serial = leak_count_lock();
     with_watchdog(30, "last_handle", || {
+        let leaked = leaked_stacks();
         let drops = counter();
         let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
         let d = drops.clone();
@@ -106,6 +111,35 @@ fn the_last_handle_unwinds_the_fiber() {
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
         let other = fiber.clone();
         assert!(Fiber::ptr_eq(&fiber, &other));
+        drop(fiber);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "another handle keeps it alive");
+        drop(other);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            1,
+            "the last handle unwound the suspended fiber"
+        );
+        assert_eq!(leaked_stacks(), leaked, "its stack was unwound, not leaked");
+    });
+}
+
+/// Of two handles to a suspended fiber, the one left after the other is
+/// dropped can still finish it normally; dropping it afterwards drops
+/// nothing twice.
+#[test]
+fn a_remaining_handle_finishes_the_fiber() {
+    with_watchdog(30, "remaining_handle", || {
+        let drops = counter();
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        let d = drops.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                let _g = DropCounter(d);
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let other = fiber.clone();
         drop(fiber);
         assert_eq!(drops.load(Ordering::SeqCst), 0, "another handle keeps it alive");
         // The remaining handle can still finish it normally.
@@ -725,44 +759,46 @@ fn an_unwind_that_starts_in_an_unstarted_fibers_capture_drop_goes_on() {
             yield_now();
         }
     }
-    let after_drop = Arc::new(AtomicBool::new(false));
-    let x_locals = counter();
-    let x = Fiber::<()>::new(FiberAttr::new().name("x")).unwrap();
-    {
-        let (after_drop, x_locals) = (after_drop.clone(), x_locals.clone());
-        x.set_function(Priority::NORMAL, move || {
-            let _local = DropCounter(x_locals);
-            let f = Fiber::<()>::new(FiberAttr::new().name("f")).unwrap();
-            let captured = YieldsInDrop;
-            f.set_function(Priority::NORMAL, move || {
-                let _keep = &captured;
+    with_watchdog(30, "unwind_from_capture_drop", || {
+        let after_drop = Arc::new(AtomicBool::new(false));
+        let x_locals = counter();
+        let x = Fiber::<()>::new(FiberAttr::new().name("x")).unwrap();
+        {
+            let (after_drop, x_locals) = (after_drop.clone(), x_locals.clone());
+            x.set_function(Priority::NORMAL, move || {
+                let _local = DropCounter(x_locals);
+                let f = Fiber::<()>::new(FiberAttr::new().name("f")).unwrap();
+                let captured = YieldsInDrop;
+                f.set_function(Priority::NORMAL, move || {
+                    let _keep = &captured;
+                })
+                .unwrap();
+                drop(f);
+                after_drop.store(true, Ordering::SeqCst);
             })
             .unwrap();
-            drop(f);
-            after_drop.store(true, Ordering::SeqCst);
-        })
-        .unwrap();
-    }
-    assert!(
-        matches!(x.run().unwrap(), RunOutcome::Yielded(0)),
-        "x suspended inside f's drop"
-    );
-    let leaked_before = leaked_stacks();
-    drop(x);
-    assert!(
-        !after_drop.load(Ordering::SeqCst),
-        "x's code after `drop(f)` ran while x was being unwound"
-    );
-    assert_eq!(
-        x_locals.load(Ordering::SeqCst),
-        1,
-        "x's locals were dropped by the unwind"
-    );
-    assert_eq!(
-        leaked_stacks() - leaked_before,
-        1,
-        "f's stack, whose closure drop never finished, is leaked"
-    );
+        }
+        assert!(
+            matches!(x.run().unwrap(), RunOutcome::Yielded(0)),
+            "x suspended inside f's drop"
+        );
+        let leaked_before = leaked_stacks();
+        drop(x);
+        assert!(
+            !after_drop.load(Ordering::SeqCst),
+            "x's code after `drop(f)` ran while x was being unwound"
+        );
+        assert_eq!(
+            x_locals.load(Ordering::SeqCst),
+            1,
+            "x's locals were dropped by the unwind"
+        );
+        assert_eq!(
+            leaked_stacks() - leaked_before,
+            1,
+            "f's stack, whose closure drop never finished, is leaked"
+        );
+    });
 }
 
 /// `mark_queued` and `set_home` hand back a home they replace only once the

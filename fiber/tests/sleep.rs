@@ -121,19 +121,32 @@ fn a_wake_before_the_fiber_switched_out_leaves_it_ready() {
     });
 }
 
+/// A wake that comes before the fiber sleeps, followed by a yield instead
+/// of a sleep, is void: it does not carry over to end the fiber's next
+/// sleep at once.
 #[test]
 fn a_wake_followed_by_a_yield_instead_of_a_sleep_is_void() {
     with_watchdog(30, "wake_then_yield", || {
+        let slot: Slot = Arc::default();
         let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        let s = slot.clone();
         fiber
-            .set_function(Priority::NORMAL, || {
+            .set_function(Priority::NORMAL, move || {
                 Waiter::current().unwrap().wake();
                 yield_now();
+                *s.lock().unwrap() = Some(Waiter::current().unwrap());
+                sleep();
                 1
             })
             .unwrap();
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
         assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(
+            matches!(fiber.run().unwrap(), RunOutcome::Slept),
+            "the earlier wake did not end the later sleep"
+        );
+        assert_eq!(fiber.state(), FiberState::Sleeping);
+        take(&slot).wake();
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
     });
 }

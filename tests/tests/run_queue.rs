@@ -415,22 +415,19 @@ fn pop_timeout_returns_a_fiber_pushed_while_it_waits() {
         let queue = RunQueue::<u64>::new(4);
         let q = queue.clone();
         let popper = thread::spawn(move || {
-            let start = Instant::now();
             let f = q.pop_timeout(Duration::from_secs(600));
-            let waited = start.elapsed();
             let value = f.as_ref().map(|f| q.run_popped(f.clone()).outcome.unwrap().unwrap_returned());
-            (f, value, waited)
+            (f, value)
         });
         stage.set("waiting for the popper to park (stats().parks > 0)");
         spin_until(|| queue.stats().parks > 0);
         let pushed = fiber(Priority::NORMAL, || 99);
         queue.try_push(pushed.clone()).unwrap();
         stage.set("waiting for the parked popper to return the pushed fiber");
-        let (popped, value, waited) = popper.join().unwrap();
+        let (popped, value) = popper.join().unwrap();
         let popped = popped.expect("the parked popper should get the pushed fiber, not time out");
         assert!(Fiber::ptr_eq(&popped, &pushed));
         assert_eq!(value, Some(99));
-        assert!(waited < Duration::from_secs(600));
         let stats = queue.stats();
         assert_eq!((stats.pushes, stats.pops), (1, 1));
     });
