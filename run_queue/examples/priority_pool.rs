@@ -67,6 +67,10 @@ fn work(id: usize, slice: usize) {
 }
 
 fn main() {
+    if std::env::args().len() > 1 {
+        eprintln!("usage: priority_pool (takes no arguments)");
+        std::process::exit(2);
+    }
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let fibers = 4 * workers;
     let queue: RunQueue = RunQueue::new(fibers);

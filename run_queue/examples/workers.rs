@@ -26,6 +26,10 @@ const CONSUMERS: usize = 6;
 const NUMBERS: u64 = 10_000;
 
 fn main() {
+    if std::env::args().len() > 1 {
+        eprintln!("usage: workers (takes no arguments)");
+        std::process::exit(2);
+    }
     let queue = RunQueue::new(CONSUMERS + 1);
     let numbers = Arc::new(Channel::<Option<u64>>::new());
     let sums = Arc::new(Channel::<u64>::new());

@@ -51,7 +51,10 @@
 //! equal priorities (one FIFO per priority level). Changing the priority
 //! of a queued fiber through [`RunQueue::set_priority`] moves it at once;
 //! [`Fiber::set_priority`](spindle_fiber::Fiber::set_priority) takes effect
-//! at its next push.
+//! at its next push. Priority is strict and nothing ages a waiting fiber:
+//! a fiber that keeps yielding at the top level starves every lower level
+//! for as long as it does (the executor, `spindle-executor`, has measures
+//! against starvation; a bare run queue leaves that to its user).
 //!
 //! # Threads
 //!

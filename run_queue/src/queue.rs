@@ -378,20 +378,29 @@ impl<T: Send + 'static> RunQueue<T> {
 
     /// Pops the highest-priority fiber the calling thread may run, waiting
     /// up to `timeout` for one:
-    /// polls briefly, then parks the thread. `None` on timeout.
+    /// polls briefly, then parks the thread. `None` on timeout. A zero
+    /// timeout is [`try_pop`](RunQueue::try_pop); the polls that yield the
+    /// thread stop at the deadline (one `yield_now` may outlast it on a
+    /// busy machine).
     pub fn pop_timeout(&self, timeout: Duration) -> Option<Fiber<T>> {
+        if timeout.is_zero() {
+            return self.try_pop();
+        }
+        // A timeout too large to represent waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        let passed = || deadline.is_some_and(|d| Instant::now() >= d);
         for i in 0..SPINS {
             if let Some(f) = self.try_pop_quiet() {
                 return Some(f);
             }
             if i < SPINS / 2 {
                 std::hint::spin_loop();
+            } else if passed() {
+                break;
             } else {
                 std::thread::yield_now();
             }
         }
-        // A timeout too large to represent waits without a deadline.
-        let deadline = Instant::now().checked_add(timeout);
         let mut synced = self.shared.synced.lock();
         loop {
             // Empty checks while waiting are not counted; the outcome is.
@@ -402,6 +411,12 @@ impl<T: Send + 'static> RunQueue<T> {
             if popped.is_some() {
                 drop(synced);
                 return self.shared.finish_pop((popped, false));
+            }
+            if passed() {
+                // Out of time before parking: no park to count.
+                let popped = synced.pop(&self.shared.len_hint, true);
+                drop(synced);
+                return self.shared.finish_pop(popped);
             }
             synced.sleepers += 1;
             synced.stats.parks += 1;
@@ -513,8 +528,10 @@ impl<T: Send + 'static> RunQueue<T> {
     /// its new place at once (behind fibers already at that priority; one
     /// set aside for its thread is picked by its new priority).
     pub fn set_priority(&self, fiber: &Fiber<T>, priority: Priority) {
-        fiber.set_priority(priority);
+        // Both under the lock: two calls at once would otherwise leave the
+        // fiber's priority from one and its place from the other.
         let mut synced = self.shared.synced.lock();
+        fiber.set_priority(priority);
         synced.heap.change_priority(fiber, priority);
         drop(synced);
     }
@@ -604,7 +621,13 @@ impl<T> Clone for RunQueue<T> {
 
 impl<T> Drop for RunQueue<T> {
     /// The last handle releases the fibers still queued (they go back to
-    /// `Ready` and are dropped here unless someone else holds them).
+    /// `Ready` and are dropped here unless someone else holds them). A
+    /// fiber dropped this way, or woken later with nobody holding it,
+    /// follows the fiber's own rule for a last handle: a suspended pinned
+    /// fiber released on another thread than its own leaks its stack (its
+    /// locals are never dropped; `spindle_fiber::leaked_stacks` counts it),
+    /// and a suspended migratable one is unwound on the releasing (or
+    /// waking) thread.
     fn drop(&mut self) {
         if self.shared.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
@@ -623,10 +646,15 @@ impl<T> Drop for RunQueue<T> {
 
 impl<T> fmt::Debug for RunQueue<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // One lock hold: the length and the counters of one moment.
+        let (len, stats) = {
+            let synced = self.shared.synced.lock();
+            (synced.len(), synced.stats)
+        };
         f.debug_struct("RunQueue")
-            .field("len", &self.len())
+            .field("len", &len)
             .field("capacity", &self.capacity())
-            .field("stats", &self.stats())
+            .field("stats", &stats)
             .finish()
     }
 }

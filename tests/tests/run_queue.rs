@@ -813,3 +813,99 @@ fn a_fiber_sent_back_by_run_popped_counts_as_a_push() {
         assert_eq!((stats.pushes, stats.pops, queue.len()), (3, 3, 0), "{stats:?}");
     });
 }
+
+/// `pop_timeout(Duration::ZERO)` on an empty queue is a `try_pop`: it does
+/// not poll, and counts an empty pop, not a park (it counted a park that
+/// never happened, after 64 polls that yielded the thread).
+#[test]
+fn pop_timeout_zero_is_a_try_pop() {
+    let queue = RunQueue::<()>::new(4);
+    for _ in 0..10 {
+        assert!(queue.pop_timeout(Duration::ZERO).is_none());
+    }
+    let stats = queue.stats();
+    assert_eq!((stats.parks, stats.empty_pops), (0, 10), "{stats:?}");
+    queue.try_push(fiber(Priority::NORMAL, || ())).unwrap();
+    assert!(queue.pop_timeout(Duration::ZERO).is_some(), "a queued fiber is popped");
+}
+
+/// Two threads setting one queued fiber's priority at once: the priority
+/// the fiber reports and its place in the queue agree afterwards (the
+/// priority was stored outside the queue's lock, so one call's priority
+/// could end up with the other's place; about 7 rounds in 2000 showed it).
+#[test]
+fn concurrent_set_priority_keeps_priority_and_place_together() {
+    use std::sync::Barrier;
+    watchdog("concurrent_set_priority_keeps_priority_and_place_together", 60, |_stage| {
+        for round in 0..2000 {
+            let queue = RunQueue::<u32>::new(4);
+            let f = fiber(Priority::NORMAL, || 1);
+            queue.try_push(f.clone()).unwrap();
+            queue.try_push(fiber(Priority(100), || 2)).unwrap();
+            let barrier = Arc::new(Barrier::new(2));
+            let setters: Vec<_> = [10u8, 200u8]
+                .into_iter()
+                .map(|p| {
+                    let (queue, f, barrier) = (queue.clone(), f.clone(), barrier.clone());
+                    thread::spawn(move || {
+                        barrier.wait();
+                        for _ in 0..50 {
+                            queue.set_priority(&f, Priority(p));
+                        }
+                    })
+                })
+                .collect();
+            for s in setters {
+                s.join().unwrap();
+            }
+            let reported = f.priority();
+            drop(f);
+            let first = queue.run_next().unwrap().outcome.unwrap().unwrap_returned();
+            // Above the probe's 100 it must come first, below it second.
+            assert_eq!(
+                first == 1,
+                reported == Priority(200),
+                "round {round}: the fiber reports {reported:?} but popped {}",
+                if first == 1 { "before the probe" } else { "after it" }
+            );
+        }
+    });
+}
+
+/// `Debug` of a run queue is one snapshot: its length and its counters
+/// agree (`pushes - pops == len`) while another thread runs fibers.
+#[test]
+fn a_run_queues_debug_is_one_snapshot() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    watchdog("a_run_queues_debug_is_one_snapshot", 60, |_stage| {
+        let queue = RunQueue::<()>::new(16);
+        for _ in 0..8 {
+            queue
+                .try_push(fiber(Priority::NORMAL, || loop {
+                    yield_now();
+                }))
+                .unwrap();
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let runner = {
+            let (queue, stop) = (queue.clone(), stop.clone());
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    queue.run_next();
+                }
+            })
+        };
+        let number = |shown: &str, field: &str| -> u64 {
+            let at = shown.find(&format!("{field}: ")).expect("the field is shown") + field.len() + 2;
+            shown[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+        };
+        for _ in 0..20_000 {
+            let shown = format!("{queue:?}");
+            let (len, pushes, pops) =
+                (number(&shown, "len"), number(&shown, "pushes"), number(&shown, "pops"));
+            assert_eq!(pushes - pops, len, "{shown}");
+        }
+        stop.store(true, Ordering::Relaxed);
+        runner.join().unwrap();
+    });
+}
