@@ -386,21 +386,26 @@ impl<T: Send + 'static> RunQueue<T> {
         if timeout.is_zero() {
             return self.try_pop();
         }
-        // A timeout too large to represent waits without a deadline.
-        let deadline = Instant::now().checked_add(timeout);
-        let passed = || deadline.is_some_and(|d| Instant::now() >= d);
+        // Read the clock only once the spinning polls found nothing (a
+        // popper that finds a fiber at once pays for no clock read); the
+        // spins take well under a microsecond. A timeout too large to
+        // represent waits without a deadline.
+        let mut deadline = None;
+        let mut deadline_of = || *deadline.get_or_insert_with(|| Instant::now().checked_add(timeout));
+        let passed = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         for i in 0..SPINS {
             if let Some(f) = self.try_pop_quiet() {
                 return Some(f);
             }
             if i < SPINS / 2 {
                 std::hint::spin_loop();
-            } else if passed() {
+            } else if passed(deadline_of()) {
                 break;
             } else {
                 std::thread::yield_now();
             }
         }
+        let deadline = deadline_of();
         let mut synced = self.shared.synced.lock();
         loop {
             // Empty checks while waiting are not counted; the outcome is.
@@ -412,7 +417,7 @@ impl<T: Send + 'static> RunQueue<T> {
                 drop(synced);
                 return self.shared.finish_pop((popped, false));
             }
-            if passed() {
+            if passed(deadline) {
                 // Out of time before parking: no park to count.
                 let popped = synced.pop(&self.shared.len_hint, true);
                 drop(synced);
