@@ -342,20 +342,8 @@ fn interrupt_after_gives_an_interruptible_wait_a_deadline() {
         let later = exec.spawn(move || {
             interrupt_after(Duration::from_millis(1), || {
                 // Busy past the deadline, reaching no interruptible wait,
-                // until the timer has fired. A timed yield begun after the
-                // deadline shows it either way: if it times out, sysmon has
-                // fired every timer due before it (timers fire in deadline
-                // order), the deadline's among them; if it ends early, it
-                // was woken, and only the fired deadline wakes it here.
-                // Polled, not assumed.
-                let begun = Instant::now();
-                loop {
-                    let after_deadline = begun.elapsed() >= Duration::from_millis(1);
-                    yield_timeout(Duration::from_millis(1));
-                    if after_deadline {
-                        break;
-                    }
-                }
+                // until the timer has fired.
+                yield_past_deadline(Instant::now(), Duration::from_millis(1));
             });
             // A later wait is not interrupted by it: the release below
             // ends it.
@@ -375,6 +363,39 @@ fn interrupt_after_on_a_thread_panics() {
     spindle_executor::interrupt_after(Duration::from_millis(1), || ());
 }
 
+/// Yields (timed waits of 1 ms) until sysmon has fired the deadline that
+/// lies `d` after the `interrupt_after` call begun no later than `begun`,
+/// with no other deadline fired in that call: a timed yield begun after
+/// that deadline either times out, which shows sysmon fired every timer
+/// due before it (timers fire in deadline order), or ends early, which
+/// only that deadline's interrupt does. Polled, not assumed.
+fn yield_past_deadline(begun: Instant, d: Duration) {
+    loop {
+        let after_deadline = begun.elapsed() >= d;
+        yield_timeout(Duration::from_millis(1));
+        if after_deadline {
+            return;
+        }
+    }
+}
+
+/// Yields until sysmon has fired every timer due by `deadline`, whatever
+/// interrupts a nested call's fired deadline sends the calling fiber
+/// meanwhile: a fiber spawned to sleep until just after `deadline` is
+/// woken by sysmon only after those timers (timers fire in deadline
+/// order). Polled, not assumed.
+fn yield_until_fired(deadline: Instant) {
+    let fired = Flag::new();
+    let f = fired.clone();
+    drop(spindle_executor::spawn(move || {
+        spindle_executor::sleep_until(deadline + Duration::from_millis(1));
+        f.set();
+    }));
+    while !fired.is_set() {
+        spindle_executor::yield_now();
+    }
+}
+
 /// A nested `interrupt_after` that fired keeps an enclosing deadline's
 /// interrupt when that has fired too: the enclosing call's next wait is
 /// interrupted at once. (The inner call used to clear the shared mark, so
@@ -389,14 +410,12 @@ fn a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt() {
             .block_on(|| {
                 let chan = Channel::<u32>::new(); // nobody sends
                 interrupt_after(Duration::from_millis(30), || {
+                    let outer_begun = Instant::now();
                     let inner = interrupt_after(Duration::from_millis(5), || {
                         let r = chan.pop_interruptible().map(Msg::into_inner);
-                        // Past the outer deadline, still inside the inner
-                        // call, in no interruptible wait.
-                        let start = Instant::now();
-                        while start.elapsed() < Duration::from_millis(60) {
-                            yield_timeout(Duration::from_millis(5));
-                        }
+                        // Until the outer deadline has fired, still inside
+                        // the inner call, in no interruptible wait.
+                        yield_until_fired(outer_begun + Duration::from_millis(30));
                         r
                     });
                     (inner, chan.pop_interruptible().map(Msg::into_inner))
@@ -444,12 +463,6 @@ fn a_passed_deadline_interrupts_every_wait_in_its_call() {
     fn wait(chan: &Channel<u32>) -> Result<u32, Interrupted> {
         chan.pop_interruptible().map(Msg::into_inner)
     }
-    fn dawdle(d: Duration) {
-        let start = Instant::now();
-        while start.elapsed() < d {
-            yield_timeout(Duration::from_millis(2));
-        }
-    }
     watchdog("a_passed_deadline_interrupts_every_wait_in_its_call", 30, |stage| {
         let exec = Executor::builder().workers(1).build();
         stage.set("the same deadline twice, nested: the inner wait takes the one mark");
@@ -469,8 +482,12 @@ fn a_passed_deadline_interrupts_every_wait_in_its_call() {
             .block_on(|| {
                 let chan = Channel::<u32>::new();
                 interrupt_after(Duration::from_millis(10), || {
+                    let outermost_begun = Instant::now();
                     interrupt_after(Duration::from_secs(3600), || {
-                        interrupt_after(Duration::from_millis(5), || dawdle(Duration::from_millis(40)));
+                        interrupt_after(Duration::from_millis(5), || {
+                            // Until the outermost deadline has fired.
+                            yield_until_fired(outermost_begun + Duration::from_millis(10))
+                        });
                     });
                     wait(&chan)
                 })
