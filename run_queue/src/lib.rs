@@ -53,8 +53,7 @@
 //! [`Fiber::set_priority`](spindle_fiber::Fiber::set_priority) takes effect
 //! at its next push. Priority is strict and nothing ages a waiting fiber:
 //! a fiber that keeps yielding at the top level starves every lower level
-//! for as long as it does (the executor, `spindle-executor`, has measures
-//! against starvation; a bare run queue leaves that to its user).
+//! for as long as it does.
 //!
 //! # Threads
 //!

@@ -12,7 +12,10 @@ static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
 /// Lock-guarded state.
 struct Synced {
-    /// Available tokens; non-zero only when `waiters` is empty.
+    /// Available tokens; non-zero only when `waiters` is empty, except
+    /// after a wake panicked in `release` (tokens it had not handed out
+    /// yet are counted here, with waiters still asleep): the next
+    /// `release` hands them to those waiters first.
     tokens: usize,
     waiters: WaitList,
 }
@@ -193,8 +196,8 @@ impl Semaphore {
     /// tokens handed to waiters before that stay handed). A wake whose
     /// scheduler panics (`Schedule::schedule` must not) unwinds out of
     /// `release`; the tokens not handed out by then are added to the count
-    /// rather than lost (waiters still asleep get tokens at the next
-    /// release).
+    /// rather than lost, and the next `release` hands them to the waiters
+    /// still asleep, with its own.
     pub fn release(&self, n: usize) {
         /// The tokens not handed out yet: counted as available if a wake
         /// unwinds.
@@ -215,6 +218,11 @@ impl Semaphore {
             let mut synced = self.synced.lock();
             match synced.waiters.pop_front(ptr::null_mut()) {
                 Some(wakeup) => {
+                    // Tokens counted while waiters slept (left by a wake
+                    // that panicked) go to the waiters too.
+                    if synced.tokens > 0 {
+                        rest.left = rest.left.saturating_add(std::mem::take(&mut synced.tokens));
+                    }
                     drop(synced);
                     // Handed to that waiter, whatever its wake does.
                     rest.left -= 1;

