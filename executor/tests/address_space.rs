@@ -6,11 +6,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{describe, run_child_watched, watchdog};
+use common::{describe, watchdog};
 use spindle_executor::{Executor, JoinError, SpawnOptions};
 use spindle_fiber::Priority;
 use spindle_sync::Semaphore;
@@ -19,28 +18,23 @@ use spindle_test_support::cap_address_space;
 /// Set in a child process started by `run_child` to the test it runs.
 const CHILD_ENV: &str = "SPINDLE_EXECUTOR_ADDRESS_SPACE_CHILD";
 
-fn is_child(test: &str) -> bool {
-    std::env::var(CHILD_ENV).is_ok_and(|v| v == test)
+/// Whether this is the child process `run_child` started for `test`.
+fn is_child(_test: &str) -> bool {
+    common::is_child(CHILD_ENV)
 }
 
 /// Runs `test` alone in a child process (the parent's address space stays
 /// unlimited) and checks that it passed.
 fn run_child(test: &str) {
-    let exe = std::env::current_exe().expect("locating the test binary");
-    let out = run_child_watched(
+    let out = common::run_in_a_child_with(
         test,
-        60,
-        Command::new(exe)
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, test)
-            .env("RUST_BACKTRACE", "0")
-            // Deterministic room under the caps below: no allocator arena
-            // (a 64 MiB reservation each) made after a cap, and thread
-            // stacks of the usual size.
-            .env("MALLOC_ARENA_MAX", "1")
-            .env("RUST_MIN_STACK", "2097152")
-            // The global stack pool keeps idle stacks, as by default.
-            .env_remove("SPINDLE_STACK_POOL"),
+        CHILD_ENV,
+        // Deterministic room under the caps below: no allocator arena (a
+        // 64 MiB reservation each) made after a cap, and thread stacks of
+        // the usual size.
+        &[("MALLOC_ARENA_MAX", "1"), ("RUST_MIN_STACK", "2097152")],
+        // The global stack pool keeps idle stacks, as by default.
+        &["SPINDLE_STACK_POOL"],
     );
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child checked"),

@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{describe, run_child_watched};
+use common::describe;
 use spindle_executor::{sleep, Executor};
 use spindle_sync::Semaphore;
 use spindle_test_support::break_stderr;
@@ -20,8 +19,9 @@ use spindle_test_support::break_stderr;
 /// Set in a child process started by `run_child` to the test it runs.
 const CHILD_ENV: &str = "SPINDLE_EXECUTOR_CLOSED_STDERR_CHILD";
 
-fn is_child(test: &str) -> bool {
-    std::env::var(CHILD_ENV).is_ok_and(|v| v == test)
+/// Whether this is the child process `run_child` started for `test`.
+fn is_child(_test: &str) -> bool {
+    common::is_child(CHILD_ENV)
 }
 
 /// Runs `test` alone in a child process and checks that it printed
@@ -32,16 +32,7 @@ fn run_child(test: &str) {
 
 /// [`run_child`] with extra environment variables.
 fn run_child_with(test: &str, env: &[(&str, &str)]) {
-    let exe = std::env::current_exe().expect("locating the test binary");
-    let out = run_child_watched(
-        test,
-        60,
-        Command::new(exe)
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, test)
-            .env("RUST_BACKTRACE", "0")
-            .envs(env.iter().copied()),
-    );
+    let out = common::run_in_a_child_with(test, CHILD_ENV, env, &[]);
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child checked"),
         "the child failed (its stderr was closed: a panic shows only in its stdout, if at all):\n{}",

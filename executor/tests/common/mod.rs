@@ -116,14 +116,32 @@ pub fn size(debug: usize, release: usize) -> usize {
 /// off (through the shell: a child that aborts leaves no core file) and a
 /// 60 s limit after which the child is killed.
 pub fn run_in_a_child(name: &str, child_env: &str) -> std::process::Output {
-    run_child_watched(
-        name,
-        60,
-        std::process::Command::new("sh")
-            .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
-            .arg(std::env::current_exe().unwrap())
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(child_env, "1")
-            .env("RUST_BACKTRACE", "0"),
-    )
+    run_in_a_child_with(name, child_env, &[], &[])
+}
+
+/// [`run_in_a_child`] with environment variables set (`set`) and removed
+/// (`unset`) for the child.
+pub fn run_in_a_child_with(
+    name: &str,
+    child_env: &str,
+    set: &[(&str, &str)],
+    unset: &[&str],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+        .arg(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(child_env, "1")
+        .env("RUST_BACKTRACE", "0")
+        .envs(set.iter().copied());
+    for var in unset {
+        cmd.env_remove(var);
+    }
+    run_child_watched(name, 60, &mut cmd)
+}
+
+/// Whether this process is the child [`run_in_a_child`] started with
+/// `child_env` (it runs only the one test it was started for).
+pub fn is_child(child_env: &str) -> bool {
+    std::env::var(child_env).is_ok_and(|v| v == "1")
 }
