@@ -91,6 +91,22 @@ fn unwinding_drops_every_frame_innermost_first_with_current_naming_the_fiber() {
     });
 }
 
+/// A fiber suspended in its function with one local whose drops are
+/// counted (the returned counter).
+fn suspended_with_a_local() -> (Fiber<()>, Arc<AtomicUsize>) {
+    let drops = counter();
+    let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    let d = drops.clone();
+    fiber
+        .set_function(Priority::NORMAL, move || {
+            let _g = DropCounter(d);
+            yield_now();
+        })
+        .unwrap();
+    assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+    (fiber, drops)
+}
+
 /// Of two handles to a suspended fiber, dropping the first leaves it
 /// alone; dropping the last unwinds it (its local dropped once, its stack
 /// not leaked).
@@ -99,16 +115,7 @@ fn the_last_handle_unwinds_the_fiber() {
     let _serial = leak_count_lock();
     with_watchdog(30, "last_handle", || {
         let leaked = leaked_stacks();
-        let drops = counter();
-        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        let d = drops.clone();
-        fiber
-            .set_function(Priority::NORMAL, move || {
-                let _g = DropCounter(d);
-                yield_now();
-            })
-            .unwrap();
-        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let (fiber, drops) = suspended_with_a_local();
         let other = fiber.clone();
         assert!(Fiber::ptr_eq(&fiber, &other));
         drop(fiber);
@@ -129,16 +136,7 @@ fn the_last_handle_unwinds_the_fiber() {
 #[test]
 fn a_remaining_handle_finishes_the_fiber() {
     with_watchdog(30, "remaining_handle", || {
-        let drops = counter();
-        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-        let d = drops.clone();
-        fiber
-            .set_function(Priority::NORMAL, move || {
-                let _g = DropCounter(d);
-                yield_now();
-            })
-            .unwrap();
-        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        let (fiber, drops) = suspended_with_a_local();
         let other = fiber.clone();
         drop(fiber);
         assert_eq!(drops.load(Ordering::SeqCst), 0, "another handle keeps it alive");
