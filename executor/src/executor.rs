@@ -360,7 +360,9 @@ impl Handle {
         }
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters. Each is read on its own, except the four
+    /// that scaling changes (`workers`, `peak_workers`, `scale_ups`,
+    /// `scale_downs`), which are read together and agree with each other.
     pub fn stats(&self) -> ExecutorStats {
         let c = &self.shared.stats;
         let sum = |f: fn(&crate::shared::WorkerCounters) -> &std::sync::atomic::AtomicU64| -> u64 {
@@ -370,6 +372,18 @@ impl Handle {
         // shutdown, and fibers woken into a closed inbox (all cancelled).
         let outside = c.completed_outside.load(Ordering::Relaxed)
             + self.shared.workers.iter().map(|w| w.inbox.orphans.load(Ordering::Relaxed)).sum::<u64>();
+        // The worker count and the scaling counters change together under
+        // the scaling lock (a scale-up, a retirement): read under it, they
+        // agree (a pool back at its base size after a peak shows the
+        // retirements that brought it there).
+        let scaling = self.shared.scaling.lock();
+        let (scale_ups, scale_downs, workers, peak_workers) = (
+            c.scale_ups.load(Ordering::Relaxed),
+            c.scale_downs.load(Ordering::Relaxed),
+            self.shared.active.load(Ordering::Relaxed),
+            c.peak_workers.load(Ordering::Relaxed),
+        );
+        drop(scaling);
         ExecutorStats {
             spawned: c.spawned.load(Ordering::Relaxed),
             completed: sum(|w| &w.completed) + outside,
@@ -382,10 +396,10 @@ impl Handle {
                 .map(|w| w.inbox.handoffs.load(Ordering::Relaxed))
                 .sum(),
             parks: sum(|w| &w.parks),
-            scale_ups: c.scale_ups.load(Ordering::Relaxed),
-            scale_downs: c.scale_downs.load(Ordering::Relaxed),
-            workers: self.shared.active.load(Ordering::Relaxed),
-            peak_workers: c.peak_workers.load(Ordering::Relaxed),
+            scale_ups,
+            scale_downs,
+            workers,
+            peak_workers,
             deadlocks: c.deadlocks.load(Ordering::Relaxed),
             stack_waits: c.stack_waits.load(Ordering::Relaxed),
         }
