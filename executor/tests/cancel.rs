@@ -379,6 +379,50 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         drop(exec);
         assert!(h.join().expect_err("shut down").is_cancelled());
         assert_eq!(drops.load(Ordering::SeqCst), 6, "the destructor finished at shutdown");
+        // And a fiber asleep in a join at shutdown, whose destructor
+        // yields: the final drain completes the task it joins (asleep in a
+        // plain wait nobody ends), which wakes it, and then drops it, so its
+        // stack is unwound by the fiber's drop, with no runner. The yield
+        // there yields the thread (it suspended, and the process aborted).
+        // A joiner that reached its join only after the shutdown began is
+        // cancelled there instead (the case above): rounds until the drop
+        // path was taken (the destructor sees `may_sleep()` false there).
+        struct YieldsUnwoundByDrop(Arc<AtomicU64>, Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for YieldsUnwoundByDrop {
+            fn drop(&mut self) {
+                if !spindle_fiber::may_sleep() {
+                    self.1.store(true, Ordering::SeqCst);
+                }
+                yield_now();
+                spindle_executor::yield_if_needed();
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let by_drop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rounds = 0;
+        while !by_drop.load(Ordering::SeqCst) && rounds < 20 {
+            rounds += 1;
+            let one = Executor::builder().workers(1).max_workers(1).build();
+            let (never, asleep) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+            let (n, a) = (never.clone(), asleep.clone());
+            let t = one.spawn(move || {
+                a.release(1);
+                n.acquire();
+            });
+            let (d, b, a) = (drops.clone(), by_drop.clone(), asleep.clone());
+            let j = one.spawn(move || {
+                let _g = YieldsUnwoundByDrop(d, b);
+                a.release(1);
+                let _ = t.join();
+            });
+            asleep.acquire();
+            asleep.acquire();
+            drop(one);
+            assert!(j.join().expect_err("shut down").is_cancelled());
+            assert_eq!(drops.load(Ordering::SeqCst), 6 + rounds, "the joiner's destructor finished");
+            drop(never);
+        }
+        assert!(by_drop.load(Ordering::SeqCst), "no round reached the drain's drop of the joiner");
         println!("child passed");
         return;
     }

@@ -161,8 +161,9 @@ pub fn in_fiber() -> bool {
 /// on a `spindle-sync` primitive): true inside a fiber's function, false
 /// on an ordinary thread and while the stack of a dropped fiber is being
 /// unwound. Destructors run then with the fiber current, but the fiber
-/// has no runner to come back to: a suspension there only restarts the
-/// unwind. Code that must wait in a destructor (a scope waiting for the
+/// has no runner to come back to: a yield there yields the thread, and a
+/// [`sleep`] panics (and the process aborts: a panic in a destructor during
+/// an unwind). Code that must wait in a destructor (a scope waiting for the
 /// fibers it spawned) blocks the thread instead when this is false.
 ///
 /// It is true while a panic unwinds the fiber too. Suspending then leaves
@@ -186,7 +187,10 @@ pub fn may_sleep() -> bool {
 }
 
 /// Suspends the current fiber; `run` returns [`RunOutcome::Yielded`] with
-/// `value`. On an ordinary thread this is [`std::thread::yield_now`].
+/// `value`. On an ordinary thread this is [`std::thread::yield_now`], and
+/// so it is in a destructor that runs while a dropped fiber's stack is
+/// unwound (there is no runner to come back to: see [`may_sleep`]); the
+/// value is then dropped.
 ///
 /// # Panics
 ///
@@ -201,19 +205,64 @@ pub fn yield_value(value: usize) {
         std::thread::yield_now();
         return;
     }
-    let yielder = yielder_of(h);
+    // SAFETY: `h` is the running fiber's header (see `current`).
+    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
+    if yielder.is_null() {
+        yield_without_yielder(h, value);
+        return;
+    }
     // SAFETY: the yielder was stored by this fiber's own function when it
     // started and lives at the root of this fiber's stack, which is the
     // stack we are running on.
     unsafe { (*yielder).suspend(value) };
 }
 
-/// The yielder of the running fiber (`h`, not null).
-#[inline]
-fn yielder_of(h: *const Header) -> *const Yielder {
+/// A yield that found no yielder: the function is over (a panic), or the
+/// dropped fiber's stack is being unwound (`release` moved the yielder
+/// aside). In a destructor run by that unwind (the thread is panicking)
+/// the thread yields instead: a suspension there would restart the unwind
+/// inside the destructor, and a panic in a destructor during an unwind
+/// aborts the process. Outside one (code that caught the forced unwind)
+/// the suspension restarts the unwind, as corosensei does.
+#[cold]
+#[inline(never)]
+fn yield_without_yielder(h: *const Header, value: usize) {
     // SAFETY: `h` is the running fiber's header (see `current`).
-    let yielder = unsafe { (*h).yielder.load(Ordering::Relaxed) } as *const Yielder;
-    if yielder.is_null() {
+    let hr = unsafe { &*h };
+    if hr.unwinding_for_drop.load(Ordering::Relaxed) && std::thread::panicking() {
+        std::thread::yield_now();
+        return;
+    }
+    let yielder = unwinding_yielder(hr);
+    // SAFETY: as in `yield_value`; `release` moved it aside while this
+    // function's stack is unwound, and cleared it when the function ended.
+    unsafe { (*yielder).suspend(value) };
+}
+
+/// A sleep that found no yielder: as [`yield_without_yielder`], but a
+/// sleep cannot become a thread's wait (its `Waiter` names the fiber), so
+/// in a destructor run by the unwind it panics with the reason.
+#[cold]
+#[inline(never)]
+#[track_caller]
+fn sleep_without_yielder(h: &Header) -> *const Yielder {
+    if h.unwinding_for_drop.load(Ordering::Relaxed) && std::thread::panicking() {
+        panic!(
+            "spindle_fiber: sleep in a destructor that runs while a dropped fiber's stack is \
+             unwound: no runner is left to wake it, so the process aborts (a panic during an \
+             unwind); check may_sleep() and wait with a thread primitive instead"
+        )
+    }
+    unwinding_yielder(h)
+}
+
+/// The yielder `release` moved aside while it unwinds the dropped fiber's
+/// stack; panics if there is none (the function is over).
+#[cold]
+#[inline(never)]
+fn unwinding_yielder(h: &Header) -> *const Yielder {
+    let yielder = h.drop_yielder.load(Ordering::Relaxed) as *const Yielder;
+    if !h.unwinding_for_drop.load(Ordering::Relaxed) || yielder.is_null() {
         no_yielder();
     }
     yielder
@@ -424,7 +473,10 @@ impl std::fmt::Debug for Waiter {
 /// # Panics
 ///
 /// On an ordinary thread (there is nothing to put to sleep: threads wait
-/// with their own primitives).
+/// with their own primitives); in a fiber whose function is over (from a
+/// destructor of its return value); in a destructor run while a dropped
+/// fiber's stack is unwound ([`may_sleep`] is false there, and the process
+/// then aborts: a panic in a destructor during an unwind).
 ///
 /// [`RunOutcome::Slept`]: crate::RunOutcome::Slept
 #[track_caller]
@@ -439,8 +491,7 @@ pub fn sleep() {
 ///
 /// # Panics
 ///
-/// As [`sleep`]: on an ordinary thread, and in a fiber whose function is
-/// over (from a destructor of its return value).
+/// As [`sleep`].
 #[track_caller]
 #[inline]
 pub fn sleep_on(reason: &'static WaitReason) {
@@ -458,7 +509,10 @@ pub fn sleep_on(reason: &'static WaitReason) {
         Location::caller() as *const Location<'static> as *mut _,
         Ordering::Release,
     );
-    let yielder = yielder_of(h);
+    let mut yielder = hr.yielder.load(Ordering::Relaxed) as *const Yielder;
+    if yielder.is_null() {
+        yielder = sleep_without_yielder(hr);
+    }
     hr.sleep_request.store(true, Ordering::Relaxed);
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(crate::fiber::SLEEP_SIGNAL) };

@@ -494,6 +494,7 @@ impl<T: Send + 'static> Fiber<T> {
             stack_size: stack.usable_size(),
             guard: stack.guard_range(),
             yielder: AtomicPtr::new(std::ptr::null_mut()),
+            drop_yielder: AtomicPtr::new(std::ptr::null_mut()),
             last_thread: AtomicU64::new(0),
             pinned_to: AtomicU64::new(0),
             counters: Counters::default(),
@@ -674,11 +675,14 @@ impl<T: Send + 'static> Fiber<T> {
             // destructor must find no yielder, not this dead frame's.
             // SAFETY: the header outlives the fiber's function.
             unsafe { (*me).yielder.store(std::ptr::null_mut(), Ordering::Relaxed) };
+            // SAFETY: as above.
+            unsafe { (*me).drop_yielder.store(std::ptr::null_mut(), Ordering::Relaxed) };
             result
         });
         slot.coro = Some(coro);
         // The new function stores its yielder when it starts.
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
+        h.drop_yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
         // A new generation, no mark (published by the state store below).
         let generation = (h.interrupt.load(Ordering::Relaxed) >> 1).wrapping_add(1);
@@ -1321,6 +1325,12 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // writes the current fiber, so it stays right until the unwind is
         // over.
         inner.header.unwinding_for_drop.store(true, Ordering::Relaxed);
+        // Suspensions during the unwind find no yielder and take the cold
+        // path, which yields the thread from a destructor (there is no
+        // runner to come back to) and restarts the unwind otherwise
+        // (`current.rs`, `yield_without_yielder`).
+        let yielder = inner.header.yielder.swap(std::ptr::null_mut(), Ordering::Relaxed);
+        inner.header.drop_yielder.store(yielder, Ordering::Relaxed);
         let prev = enter(&inner.header);
         let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
         // SAFETY: the same thread as `enter`.
@@ -1348,6 +1358,10 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         inner
             .header
             .yielder
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
+        inner
+            .header
+            .drop_yielder
             .store(std::ptr::null_mut(), Ordering::Relaxed);
         // Give up the reference taken back above.
         if inner.refs.fetch_sub(1, Ordering::Release) != 1 {

@@ -169,6 +169,11 @@ pub(crate) struct Header {
     /// by the fiber itself when its function starts, read only by the fiber
     /// itself (in `yield_now`/`sleep`).
     pub(crate) yielder: AtomicPtr<()>,
+    /// The yielder moved aside by `release` while it unwinds the stack of
+    /// the dropped fiber (`yielder` is null meanwhile, so that suspensions
+    /// then take the cold path: `current.rs`, `yield_without_yielder`).
+    /// Same thread, same lifetime rules as `yielder`.
+    pub(crate) drop_yielder: AtomicPtr<()>,
     /// Set by the fiber just before it switches out to sleep, read and
     /// cleared by its runner just after (same thread); cleared by
     /// `set_function`.

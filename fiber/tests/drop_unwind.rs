@@ -984,3 +984,113 @@ fn a_fiber_suspended_in_the_drop_of_a_captures_payload_is_unwound_when_dropped()
         });
     });
 }
+
+const YIELD_IN_DROP_UNWIND_CHILD: &str =
+    "a_destructor_that_yields_while_its_fiber_is_dropped_yields_the_thread";
+
+/// A destructor on a dropped fiber's stack runs during the forced unwind,
+/// with no runner to come back to. A `yield_now` or `yield_value` there
+/// (a destructor that polls, or calls an executor's yield) yields the
+/// thread and returns, as on an ordinary thread; it used to suspend, which
+/// restarted the unwind inside the destructor and aborted the process.
+/// Dropped on a thread and from inside an outer fiber, which the yield
+/// must not suspend. Run in a child process: the failure mode is an abort.
+#[test]
+fn a_destructor_that_yields_while_its_fiber_is_dropped_yields_the_thread() {
+    if is_child(YIELD_IN_DROP_UNWIND_CHILD) {
+        no_core_dumps();
+        struct YieldsWhileDropped(Arc<AtomicUsize>);
+        impl Drop for YieldsWhileDropped {
+            fn drop(&mut self) {
+                for _ in 0..3 {
+                    yield_now();
+                }
+                yield_value(7);
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn suspended(done: &Arc<AtomicUsize>) -> Fiber<()> {
+            let fiber = Fiber::<()>::new(FiberAttr::new().name("polls in drop")).unwrap();
+            let guard = YieldsWhileDropped(done.clone());
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _guard = guard;
+                    yield_now();
+                })
+                .unwrap();
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+            fiber
+        }
+        let _serial = leak_count_lock();
+        let leaked_before = leaked_stacks();
+        let done = counter();
+        drop(suspended(&done));
+        assert_eq!(done.load(Ordering::SeqCst), 1, "the destructor finished");
+
+        let outer = Fiber::<&str>::new(FiberAttr::new().name("outer")).unwrap();
+        let d = done.clone();
+        outer
+            .set_function(Priority::NORMAL, move || {
+                drop(suspended(&d));
+                "the outer fiber went on"
+            })
+            .unwrap();
+        assert_eq!(
+            outer.run().unwrap().unwrap_returned(),
+            "the outer fiber went on",
+            "the inner destructor's yields did not suspend the outer fiber"
+        );
+        assert_eq!(done.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            leaked_stacks(),
+            leaked_before,
+            "both unwinds finished: no stack leaked"
+        );
+        println!("child survived");
+        return;
+    }
+    let out = run_child(YIELD_IN_DROP_UNWIND_CHILD, 60);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("child survived"),
+        "yield_now() in a destructor run by a dropped fiber's forced unwind did not return:\n{}",
+        describe(&out)
+    );
+}
+
+const SLEEP_IN_DROP_UNWIND_CHILD: &str =
+    "a_destructor_that_sleeps_while_its_fiber_is_dropped_says_why_it_aborts";
+
+/// `sleep` cannot turn into a thread's wait (a `Waiter` names the fiber),
+/// so a destructor that sleeps during a dropped fiber's unwind still ends
+/// the process (a panic inside a destructor during an unwind), but the
+/// message says what happened and what to check.
+#[test]
+fn a_destructor_that_sleeps_while_its_fiber_is_dropped_says_why_it_aborts() {
+    if is_child(SLEEP_IN_DROP_UNWIND_CHILD) {
+        no_core_dumps();
+        struct SleepsWhileDropped;
+        impl Drop for SleepsWhileDropped {
+            fn drop(&mut self) {
+                spindle_fiber::sleep();
+            }
+        }
+        let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                let _guard = SleepsWhileDropped;
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(0)));
+        drop(fiber);
+        println!("child survived");
+        return;
+    }
+    let out = run_child(SLEEP_IN_DROP_UNWIND_CHILD, 60);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("may_sleep()"),
+        "the abort names its cause:\n{}",
+        describe(&out)
+    );
+}
