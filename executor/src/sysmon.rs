@@ -197,7 +197,7 @@ pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
     let max = shared.config.max_workers;
     // Retirements change `active` too (worker.rs, `try_retire`): both hold
     // this lock, so the count and the workers' flags agree.
-    let _scaling = shared.scaling.lock();
+    let scaling = shared.scaling.lock();
     let cur = shared.active.load(Ordering::Acquire);
     if cur >= max {
         return Vec::new();
@@ -232,6 +232,8 @@ pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
     }
     shared.note_workers();
     shared.stats.scale_ups.fetch_add(1, Ordering::Relaxed);
+    // Not under the lock: a subscriber may read `stats()`, which takes it.
+    drop(scaling);
     crate::trace_event!(from = cur, to = target, "scale up");
     added
 }

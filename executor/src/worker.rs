@@ -589,12 +589,14 @@ impl Worker {
         let i = self.ctx.index;
         // Under the scaling lock: a scale-up between the count and the flag
         // would otherwise activate this worker and then see it deactivated.
-        let _scaling = shared.scaling.lock();
+        let scaling = shared.scaling.lock();
         if shared.active.compare_exchange(i + 1, i, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return false;
         }
         self.me().active.store(false, Ordering::Release);
         shared.stats.scale_downs.fetch_add(1, Ordering::Relaxed);
+        // Not under the lock: a subscriber may read `stats()`, which takes it.
+        drop(scaling);
         crate::trace_event!(worker = i, "retire");
         // Jobs that raced into our queues are still stealable, and we
         // keep polling our own: nothing is stranded.

@@ -161,10 +161,12 @@ pub fn in_fiber() -> bool {
 /// on a `spindle-sync` primitive): true inside a fiber's function, false
 /// on an ordinary thread and while the stack of a dropped fiber is being
 /// unwound. Destructors run then with the fiber current, but the fiber
-/// has no runner to come back to: a yield there yields the thread, and a
-/// [`sleep`] panics (and the process aborts: a panic in a destructor during
-/// an unwind). Code that must wait in a destructor (a scope waiting for the
-/// fibers it spawned) blocks the thread instead when this is false.
+/// has no runner to come back to: a yield there yields the thread (with
+/// an exception: see [`yield_value`]), and a [`sleep`] panics (and the
+/// process aborts: a panic in a destructor during an unwind). Code that
+/// caught the unwind with `catch_unwind` and then suspends restarts it.
+/// Code that must wait in a destructor (a scope waiting for the fibers it
+/// spawned) blocks the thread instead when this is false.
 ///
 /// It is true while a panic unwinds the fiber too. Suspending then leaves
 /// the thread's panic count raised (`std::thread::panicking()` true for
@@ -187,10 +189,19 @@ pub fn may_sleep() -> bool {
 }
 
 /// Suspends the current fiber; `run` returns [`RunOutcome::Yielded`] with
-/// `value`. On an ordinary thread this is [`std::thread::yield_now`], and
-/// so it is in a destructor that runs while a dropped fiber's stack is
-/// unwound (there is no runner to come back to: see [`may_sleep`]); the
-/// value is then dropped.
+/// `value`. On an ordinary thread this is [`std::thread::yield_now`].
+///
+/// In a destructor that runs while a dropped fiber's stack is unwound
+/// (there is no runner to come back to: see [`may_sleep`]) it yields the
+/// thread too, and `value` is discarded; that runs no other fiber, so a
+/// destructor that polls for something a fiber of the same thread must do
+/// polls forever. That holds when the thread dropping the fiber was not
+/// panicking itself: if it was (the fiber is dropped during a panic, or
+/// from a destructor of another fiber being unwound), such a yield cannot
+/// be told apart from one made after a `catch_unwind` that caught the
+/// unwind, and it suspends, which restarts the unwind: inside a
+/// destructor that aborts the process. Code that caught the unwind and
+/// yields restarts it in every case.
 ///
 /// # Panics
 ///
@@ -217,19 +228,26 @@ pub fn yield_value(value: usize) {
     unsafe { (*yielder).suspend(value) };
 }
 
+/// Whether the caller is a destructor run by the forced unwind of its
+/// dropped fiber, as far as that can be told (see
+/// `Header::panicking_means_unwinding`; false when it cannot).
+fn in_drop_unwind(h: &Header) -> bool {
+    h.panicking_means_unwinding.load(Ordering::Relaxed) && std::thread::panicking()
+}
+
 /// A yield that found no yielder: the function is over (a panic), or the
 /// dropped fiber's stack is being unwound (`release` moved the yielder
-/// aside). In a destructor run by that unwind (the thread is panicking)
-/// the thread yields instead: a suspension there would restart the unwind
-/// inside the destructor, and a panic in a destructor during an unwind
-/// aborts the process. Outside one (code that caught the forced unwind)
-/// the suspension restarts the unwind, as corosensei does.
+/// aside). In a destructor run by that unwind the thread yields instead: a
+/// suspension there would restart the unwind inside the destructor, and a
+/// panic in a destructor during an unwind aborts the process. Otherwise
+/// (code that caught the forced unwind, or a destructor that cannot be
+/// told from it) the suspension restarts the unwind, as corosensei does.
 #[cold]
 #[inline(never)]
 fn yield_without_yielder(h: *const Header, value: usize) {
     // SAFETY: `h` is the running fiber's header (see `current`).
     let hr = unsafe { &*h };
-    if hr.unwinding_for_drop.load(Ordering::Relaxed) && std::thread::panicking() {
+    if in_drop_unwind(hr) {
         std::thread::yield_now();
         return;
     }
@@ -246,7 +264,7 @@ fn yield_without_yielder(h: *const Header, value: usize) {
 #[inline(never)]
 #[track_caller]
 fn sleep_without_yielder(h: &Header) -> *const Yielder {
-    if h.unwinding_for_drop.load(Ordering::Relaxed) && std::thread::panicking() {
+    if in_drop_unwind(h) {
         panic!(
             "spindle_fiber: sleep in a destructor that runs while a dropped fiber's stack is \
              unwound: no runner is left to wake it, so the process aborts (a panic during an \

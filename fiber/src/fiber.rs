@@ -505,6 +505,7 @@ impl<T: Send + 'static> Fiber<T> {
             sleep_request: AtomicBool::new(false),
             interrupt: AtomicU64::new(0),
             unwinding_for_drop: AtomicBool::new(false),
+            panicking_means_unwinding: AtomicBool::new(false),
             stackless: AtomicBool::new(false),
         };
         let inner = Box::new(Inner {
@@ -688,6 +689,7 @@ impl<T: Send + 'static> Fiber<T> {
         let generation = (h.interrupt.load(Ordering::Relaxed) >> 1).wrapping_add(1);
         h.interrupt.store(generation << 1, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
+        h.panicking_means_unwinding.store(false, Ordering::Relaxed);
         h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
         slot.pin = NO_PIN;
@@ -1325,10 +1327,15 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // writes the current fiber, so it stays right until the unwind is
         // over.
         inner.header.unwinding_for_drop.store(true, Ordering::Relaxed);
+        inner
+            .header
+            .panicking_means_unwinding
+            .store(!std::thread::panicking(), Ordering::Relaxed);
         // Suspensions during the unwind find no yielder and take the cold
         // path, which yields the thread from a destructor (there is no
         // runner to come back to) and restarts the unwind otherwise
-        // (`current.rs`, `yield_without_yielder`).
+        // (`current.rs`, `yield_without_yielder`). It can tell the two
+        // apart only if this thread is not panicking now (see the flag).
         let yielder = inner.header.yielder.swap(std::ptr::null_mut(), Ordering::Relaxed);
         inner.header.drop_yielder.store(yielder, Ordering::Relaxed);
         let prev = enter(&inner.header);
@@ -1336,6 +1343,10 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // SAFETY: the same thread as `enter`.
         unsafe { exit(prev) };
         inner.header.unwinding_for_drop.store(false, Ordering::Relaxed);
+        inner
+            .header
+            .panicking_means_unwinding
+            .store(false, Ordering::Relaxed);
         let unwound = match unwound {
             Ok(()) => true,
             Err(payload) => {

@@ -189,6 +189,13 @@ pub(crate) struct Header {
     /// (read by `may_sleep` on the fiber's stack, same thread), cleared
     /// when that unwind is over and by `set_function`.
     pub(crate) unwinding_for_drop: AtomicBool,
+    /// Set with `unwinding_for_drop` when the dropping thread was not
+    /// panicking as the unwind began: then, on the fiber's stack,
+    /// `std::thread::panicking()` says exactly whether code runs inside the
+    /// unwind's own propagation (a destructor) or after a `catch_unwind`
+    /// that stopped it. When the thread was panicking already, the two
+    /// cannot be told apart (the count is the thread's, not the fiber's).
+    pub(crate) panicking_means_unwinding: AtomicBool,
     /// Set once the fiber has lost its stack for good (its suspended
     /// function was unwound on drop while a destructor kept a reference,
     /// or dropping an unstarted closure panicked); never cleared. Read by

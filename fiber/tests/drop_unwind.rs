@@ -1094,3 +1094,70 @@ fn a_destructor_that_sleeps_while_its_fiber_is_dropped_says_why_it_aborts() {
         describe(&out)
     );
 }
+
+/// A fiber that catches the forced unwind around its first yield, then
+/// yields up to 1000 times, counting: each of those yields must restart
+/// the unwind, so it counts one.
+fn catches_the_unwind_then_polls(polls: &Arc<AtomicUsize>) -> Fiber<()> {
+    let fiber = Fiber::<()>::new(FiberAttr::new().name("poller")).unwrap();
+    let p = polls.clone();
+    fiber
+        .set_function(Priority::NORMAL, move || {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| yield_value(1)));
+            for _ in 0..1000 {
+                p.fetch_add(1, Ordering::SeqCst);
+                yield_now();
+            }
+        })
+        .unwrap();
+    assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+    fiber
+}
+
+/// Code that caught a dropped fiber's forced unwind and yields restarts
+/// the unwind, also when the dropping thread is panicking itself (a drop
+/// during a panic, or from a destructor of another fiber being unwound),
+/// where its yields cannot be told from a destructor's: they must not
+/// turn into thread yields and let the code run on (a loop of them
+/// would never end).
+#[test]
+fn a_yield_after_a_caught_forced_unwind_restarts_it_even_on_a_panicking_thread() {
+    let _serial = leak_count_lock();
+    with_watchdog(30, "caught_unwind_then_polls", || {
+        let polls = counter();
+        drop(catches_the_unwind_then_polls(&polls));
+        assert_eq!(polls.load(Ordering::SeqCst), 1, "dropped on a quiet thread");
+
+        let polls = counter();
+        let fiber = catches_the_unwind_then_polls(&polls);
+        let outer_panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _dropped_by_the_panic = fiber;
+            panic!("an outer panic drops the fiber");
+        }));
+        assert!(outer_panic.is_err());
+        assert_eq!(polls.load(Ordering::SeqCst), 1, "dropped during a panic");
+
+        let polls = counter();
+        struct DropsInner(Option<Fiber<()>>);
+        impl Drop for DropsInner {
+            fn drop(&mut self) {
+                drop(self.0.take());
+            }
+        }
+        let inner = catches_the_unwind_then_polls(&polls);
+        let outer = Fiber::<()>::new(FiberAttr::new().name("outer")).unwrap();
+        outer
+            .set_function(Priority::NORMAL, move || {
+                let _g = DropsInner(Some(inner));
+                yield_now();
+            })
+            .unwrap();
+        assert!(matches!(outer.run().unwrap(), RunOutcome::Yielded(0)));
+        drop(outer);
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            1,
+            "dropped from a destructor of another fiber being unwound"
+        );
+    });
+}
