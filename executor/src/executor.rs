@@ -424,8 +424,10 @@ fn cancel_unstarted(shared: &Shared, job: Job) {
     // SAFETY: we hold the only job of this task; it never runs.
     unsafe { job.task.drop_job() };
     let name = job.task.name.clone();
-    job.task.complete(Some(JoinError::Cancelled { fiber: None, name }));
+    // Counted before the joiner is woken, as the workers count theirs, so
+    // that a joiner reading the stats sees its task counted.
     shared.stats.completed_outside.fetch_add(1, Ordering::Release);
+    job.task.complete(Some(JoinError::Cancelled { fiber: None, name }));
 }
 
 /// Waits until every started worker is parked with nothing queued and no

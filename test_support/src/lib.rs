@@ -58,6 +58,31 @@ where
     R: Send + 'static,
     S: Fn() -> String,
 {
+    watch(name, secs, status, None, f)
+}
+
+/// Like [`watchdog_with_status`], for a test of many rounds whose length
+/// on a busy machine has no useful bound (each round waits for two threads
+/// to be scheduled, say): fails only if `progress()` (a count the test
+/// bumps every round) has not moved for `secs` seconds, which is a hang,
+/// not a slow machine. A test that makes progress, however slowly, is not
+/// failed.
+pub fn watchdog_with_progress<R, F, S, P>(name: &str, secs: u64, status: S, progress: P, f: F) -> R
+where
+    F: FnOnce(Stage) -> R + Send + 'static,
+    R: Send + 'static,
+    S: Fn() -> String,
+    P: Fn() -> u64,
+{
+    watch(name, secs, status, Some(&progress), f)
+}
+
+fn watch<R, F, S>(name: &str, secs: u64, status: S, progress: Option<&dyn Fn() -> u64>, f: F) -> R
+where
+    F: FnOnce(Stage) -> R + Send + 'static,
+    R: Send + 'static,
+    S: Fn() -> String,
+{
     let stage = Stage::default();
     stage.set("starting");
     let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -71,20 +96,32 @@ where
             r
         })
         .expect("spawning the watched test thread");
-    match done_rx.recv_timeout(Duration::from_secs(secs)) {
-        // Disconnected: `f` panicked and dropped the sender while unwinding.
-        Ok(()) | Err(RecvTimeoutError::Disconnected) => match worker.join() {
-            Ok(r) => r,
-            Err(payload) => resume_unwind(payload),
-        },
-        Err(RecvTimeoutError::Timeout) => {
-            let extra = status();
-            let extra = if extra.is_empty() { extra } else { format!(" [{extra}]") };
-            panic!(
-                "watchdog: {name} did not finish in {secs}s: {}{extra} (probably hung: a lost wakeup, \
-                 a fiber that never returns, or a deadlock)",
-                stage.get()
-            )
+    let mut seen = progress.map(|p| p());
+    loop {
+        match done_rx.recv_timeout(Duration::from_secs(secs)) {
+            // Disconnected: `f` panicked and dropped the sender while unwinding.
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                return match worker.join() {
+                    Ok(r) => r,
+                    Err(payload) => resume_unwind(payload),
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                // Still moving: slow, not hung; wait another period.
+                let now = progress.map(|p| p());
+                if now != seen {
+                    seen = now;
+                    continue;
+                }
+                let extra = status();
+                let extra = if extra.is_empty() { extra } else { format!(" [{extra}]") };
+                let what = if progress.is_some() { "made no progress for" } else { "did not finish in" };
+                panic!(
+                    "watchdog: {name} {what} {secs}s: {}{extra} (probably hung: a lost wakeup, \
+                     a fiber that never returns, or a deadlock)",
+                    stage.get()
+                )
+            }
         }
     }
 }

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use common::{fiber, sleepers_on, spin_until, watchdog, watchdog_with_status, Stage, XorShift};
+use common::{
+    fiber, sleepers_on, spin_until, watchdog, watchdog_with_progress, watchdog_with_status, Stage, XorShift,
+};
 use spindle_fiber::{yield_now, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Msg, Semaphore};
@@ -107,7 +109,15 @@ fn a_thread_waits_on_a_semaphore_released_by_a_fiber() {
 fn a_wake_racing_the_sleep_is_never_lost() {
     // Debug builds are unoptimised: fewer rounds keep the test short.
     const ROUNDS: u64 = if cfg!(debug_assertions) { 100_000 } else { 200_000 };
-    watchdog("a_wake_racing_the_sleep_is_never_lost", 60, |stage| {
+    // Every round needs both threads scheduled (each yields while it
+    // waits for the other): on a busy machine the rounds take milliseconds
+    // each, and the whole run minutes. A lost wakeup stops the rounds for
+    // good: the watchdog fails the test only if no release happens in 60 s.
+    let released = Arc::new(AtomicU64::new(0));
+    let (status_released, progress_released) = (Arc::clone(&released), Arc::clone(&released));
+    let status = move || format!("{} of {ROUNDS} releases", status_released.load(Ordering::Relaxed));
+    let progress = move || progress_released.load(Ordering::Relaxed);
+    watchdog_with_progress("a_wake_racing_the_sleep_is_never_lost", 60, status, progress, move |stage| {
         let sem = Arc::new(Semaphore::new(0));
         let queue = RunQueue::<u64>::new(1);
         let s = sem.clone();
@@ -123,6 +133,7 @@ fn a_wake_racing_the_sleep_is_never_lost() {
             for _ in 0..ROUNDS {
                 spin_until(|| s.waiters() == 1);
                 s.release(1);
+                released.fetch_add(1, Ordering::Relaxed);
             }
         });
         stage.set("running the fiber while another thread wakes it as early as it can");

@@ -12,7 +12,9 @@ use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::Semaphore;
 #[allow(unused_imports)] // each test binary uses a subset
-pub use spindle_test_support::{describe, run_child_watched, watchdog, watchdog_with_status, Stage};
+pub use spindle_test_support::{
+    describe, run_child_watched, watchdog, watchdog_with_progress, watchdog_with_status, Stage,
+};
 
 /// Spins (yielding the thread) until `cond` holds. Not a sleep: it waits
 /// for a state, and the caller's watchdog bounds it.
