@@ -176,10 +176,11 @@ impl Builder {
     }
 
     /// How long a fiber may run before `yield_if_needed` yields (default 10 ms).
-    /// Sysmon checks every half slice while it watches slices (at most
-    /// every 5 ms while the pool can still grow), so the flag comes between
-    /// one and one and a half slices after the fiber's worker last
-    /// switched. A long slice does not slow stuck detection.
+    /// Sysmon checks every half slice while it watches slices (but at
+    /// least every 10 ms, and every 5 ms while the pool can still grow),
+    /// so the flag comes between one and one and a half slices after the
+    /// fiber's worker last switched. A long slice does not slow stuck
+    /// detection or deadlock detection.
     pub fn time_slice(mut self, d: Duration) -> Builder {
         self.time_slice = d;
         self

@@ -33,7 +33,11 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// worker's thread (a thread-local destructor there, say), else its stack
 /// is leaked and its destructors never run; one never signalled leaks
 /// with the primitive. A [`scope`](Executor::scope) waiting for such a
-/// fiber waits until its stack is unwound, which may be never.
+/// fiber waits until its stack is unwound, which may be never. The same
+/// holds for a fiber asleep in `join` on such a fiber (or on a task of
+/// another executor): the shutdown completes the joined task as
+/// cancelled, which wakes the joiner, and the joiner is unwound if its
+/// worker has not closed yet, else leaked.
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -468,9 +472,11 @@ fn wait_quiescent(shared: &Shared) {
         }
         if !warned && started.elapsed() > std::time::Duration::from_secs(5) {
             warn!(
-                "spindle-executor: shutdown is waiting for fibers to reach a suspension point \
-                 (a fiber that never yields keeps its worker busy; so does one that catches the \
-                 cancellation unwind with catch_unwind and goes on: let it resume_unwind)"
+                "spindle-executor: shutdown is waiting for its workers to go idle: a fiber that \
+                 never yields keeps its worker busy (so does one that catches the cancellation \
+                 unwind with catch_unwind and goes on: let it resume_unwind), and so does a Drop \
+                 that blocks on a worker outside any fiber (a cancelled job's capture, an \
+                 unjoined panic's payload)"
             );
             warned = true;
         }

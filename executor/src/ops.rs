@@ -251,6 +251,12 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// assert_eq!(got, Err(Interrupted));
 /// ```
 ///
+/// In a destructor run while a dropped fiber's stack is unwound (at
+/// shutdown, say: [`spindle_fiber::may_sleep`] is false there), `f` runs
+/// without the deadline: its waits block the thread, as a thread's do.
+/// (Panicking there would abort the process: a panic in a destructor
+/// during an unwind.)
+///
 /// # Panics
 ///
 /// Outside a fiber of a `spindle-executor` executor (a thread cannot be
@@ -262,6 +268,9 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 #[track_caller]
 pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     let Some((raw, w)) = current_task() else {
+        if spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() {
+            return f();
+        }
         panic!(
             "spindle_executor::interrupt_after called outside an executor fiber: only a fiber's \
              interruptible waits can be given a deadline (on a thread, poll with try_acquire/try_pop)"

@@ -169,7 +169,10 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
 ///   that work spawned from outside behind a stuck worker (spawns do not
 ///   wake sysmon) waits that long at most, whatever the time slice;
 /// * otherwise (the pool is at its maximum): only the time slices need
-///   watching, at half a slice.
+///   watching, at half a slice, at most `IDLE_NAP`: a worker that parks
+///   does not wake sysmon, so a deadlock that forms meanwhile is seen
+///   only at the next look (a nap of half an hour-long slice hid one for
+///   half an hour).
 ///
 /// Timers cap the nap (the caller), and timer registrations and blocked
 /// joins wake sysmon early. While a deadlock is suspected it looks every
@@ -187,7 +190,7 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
             (c.time_slice / 2).min(BUSY_NAP).max(c.sysmon_interval)
         }
     } else {
-        (c.time_slice / 2).max(c.sysmon_interval)
+        (c.time_slice / 2).min(IDLE_NAP).max(c.sysmon_interval)
     }
 }
 

@@ -383,10 +383,11 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         // yields: the final drain completes the task it joins (asleep in a
         // plain wait nobody ends), which wakes it, and then drops it, so its
         // stack is unwound by the fiber's drop, with no runner. The yield
-        // there yields the thread (it suspended, and the process aborted).
-        // A joiner that reached its join only after the shutdown began is
-        // cancelled there instead (the case above): rounds until the drop
-        // path was taken (the destructor sees `may_sleep()` false there).
+        // there yields the thread (it suspended, and the process aborted),
+        // and `interrupt_after` runs its closure (it panicked). A joiner
+        // that reached its join only after the shutdown began is cancelled
+        // there instead (the case above): rounds until the drop path was
+        // taken (the destructor sees `may_sleep()` false there).
         struct YieldsUnwoundByDrop(Arc<AtomicU64>, Arc<std::sync::atomic::AtomicBool>);
         impl Drop for YieldsUnwoundByDrop {
             fn drop(&mut self) {
@@ -395,6 +396,9 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
                 }
                 yield_now();
                 spindle_executor::yield_if_needed();
+                // Runs its closure without the deadline (it panicked:
+                // "outside an executor fiber", an abort here).
+                assert_eq!(spindle_executor::interrupt_after(Duration::from_millis(1), || 5), 5);
                 self.0.fetch_add(1, Ordering::SeqCst);
             }
         }

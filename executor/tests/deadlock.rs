@@ -405,3 +405,31 @@ fn a_fiber_waiting_in_a_scope_is_reported_at_the_callers_line() {
         never.release(1);
     });
 }
+
+/// A long time slice does not delay deadlock detection: sysmon used to nap
+/// half a slice while the pool was busy at its maximum, and a deadlock
+/// that formed during that nap (a worker that parks does not wake sysmon)
+/// went unseen until it ended: half an hour with a one-hour slice.
+#[test]
+fn a_long_time_slice_does_not_delay_deadlock_detection() {
+    watchdog("a_long_time_slice_does_not_delay_deadlock_detection", 30, |stage| {
+        let exec = Executor::builder()
+            .workers(1)
+            .max_workers(1)
+            .time_slice(Duration::from_secs(3600))
+            .deadlock_grace(Duration::from_millis(100))
+            .build();
+        let never = Arc::new(Semaphore::new(0));
+        stage.set("a fiber busy long enough for sysmon to take its busy nap, then asleep for good");
+        let n = Arc::clone(&never);
+        let stuck = exec.spawn(move || {
+            // Not synchronisation: the pool must look busy at its maximum
+            // when sysmon picks its nap (it looks every 250 µs until then).
+            common::spin_for(Duration::from_millis(200));
+            n.acquire();
+        });
+        stage.set("joining the fiber that can never finish (before the fix: a 30-minute nap)");
+        let err = stuck.join().expect_err("it can never finish");
+        assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
+    });
+}
