@@ -33,11 +33,11 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// worker's thread (a thread-local destructor there, say), else its stack
 /// is leaked and its destructors never run; one never signalled leaks
 /// with the primitive. A [`scope`](Executor::scope) waiting for such a
-/// fiber waits until its stack is unwound, which may be never. The same
-/// holds for a fiber asleep in `join` on such a fiber (or on a task of
-/// another executor): the shutdown completes the joined task as
-/// cancelled, which wakes the joiner, and the joiner is unwound if its
-/// worker has not closed yet, else leaked.
+/// fiber waits until its stack is unwound, which may be never. A fiber
+/// asleep in `join` on such a fiber is woken when the shutdown completes
+/// the joined task as cancelled, and unwound if its worker has not closed
+/// yet, else leaked; one asleep in `join` on a task of another executor
+/// is woken only when that task finishes, and leaked then.
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example

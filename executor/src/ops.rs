@@ -95,8 +95,9 @@ pub fn yield_now() {
 }
 
 /// Yields if the calling fiber has run past its time slice (10 ms by
-/// default, flagged by sysmon, which looks every half slice: the flag comes
-/// one to one and a half slices after the worker last switched). Costs a
+/// default, flagged by sysmon, which looks every half slice, at most 10 ms
+/// apart: the flag comes one to one and a half slices after the worker
+/// last switched). Costs a
 /// thread-local read and a relaxed swap otherwise: call it in long loops.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
@@ -252,10 +253,11 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// ```
 ///
 /// In a destructor run while a dropped fiber's stack is unwound (at
-/// shutdown, say: [`spindle_fiber::may_sleep`] is false there), `f` runs
-/// without the deadline: its waits block the thread, as a thread's do.
-/// (Panicking there would abort the process: a panic in a destructor
-/// during an unwind.)
+/// shutdown, say: [`spindle_fiber::may_sleep`] is false there), `f` runs as
+/// if its deadline had passed: its interruptible waits take what is there
+/// or return `Interrupted` at once, as they do in such a destructor
+/// anyway, and its plain waits block the thread. (Panicking there would
+/// abort the process: a panic in a destructor during an unwind.)
 ///
 /// # Panics
 ///

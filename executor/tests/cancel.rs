@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{wait_for, watchdog, Flag};
 use spindle_executor::{sleep, yield_now, Executor, JoinError, SpawnOptions};
-use spindle_sync::{Channel, Msg, Semaphore};
+use spindle_sync::{Channel, Interrupted, Msg, Semaphore};
 
 #[test]
 fn cancel_a_fiber_looping_in_yield_now() {
@@ -396,9 +396,17 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
                 }
                 yield_now();
                 spindle_executor::yield_if_needed();
-                // Runs its closure without the deadline (it panicked:
-                // "outside an executor fiber", an abort here).
-                assert_eq!(spindle_executor::interrupt_after(Duration::from_millis(1), || 5), 5);
+                // Runs its closure (it panicked: "outside an executor
+                // fiber", an abort here), whose interruptible waits do not
+                // block: this fiber has no runner left (they blocked the
+                // thread, and shutdown with it, for good).
+                let empty = Semaphore::new(0);
+                let waits = spindle_executor::interrupt_after(Duration::from_millis(1), || {
+                    [empty.acquire_interruptible(), empty.acquire_interruptible()]
+                });
+                assert_eq!(waits, [Err(Interrupted), Err(Interrupted)]);
+                let one = Semaphore::new(1);
+                assert_eq!(one.acquire_interruptible(), Ok(()), "a token that is there is taken");
                 self.0.fetch_add(1, Ordering::SeqCst);
             }
         }

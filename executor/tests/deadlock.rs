@@ -424,7 +424,8 @@ fn a_long_time_slice_does_not_delay_deadlock_detection() {
         let n = Arc::clone(&never);
         let stuck = exec.spawn(move || {
             // Not synchronisation: the pool must look busy at its maximum
-            // when sysmon picks its nap (it looks every 250 µs until then).
+            // when sysmon picks its nap, which the join below makes it do
+            // (a blocking join wakes sysmon) while this still spins.
             common::spin_for(Duration::from_millis(200));
             n.acquire();
         });

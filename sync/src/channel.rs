@@ -545,7 +545,10 @@ impl<T> Channel<T> {
     /// fiber is interrupted ([`Waiter::interrupt`], [`Fiber::interrupt`];
     /// an interrupt made before the wait counts too, once): then no message
     /// is taken. A message that is queued is taken even with an interrupt
-    /// pending. A thread waits as in `pop`.
+    /// pending. A thread waits as in `pop`. A fiber that is being dropped
+    /// (a destructor run by the unwind of its suspended stack:
+    /// [`may_sleep`](spindle_fiber::may_sleep) is false) does not wait: it
+    /// takes a message if one is queued, else returns `Interrupted`.
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};

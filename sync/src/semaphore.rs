@@ -114,7 +114,11 @@ impl Semaphore {
     /// if the fiber is interrupted ([`Waiter::interrupt`],
     /// [`Fiber::interrupt`]; an interrupt made before the wait counts too,
     /// once): then no token is taken. A token that is available is taken
-    /// even with an interrupt pending. A thread waits as in `acquire`.
+    /// even with an interrupt pending. A thread waits as in `acquire`. A
+    /// fiber that is being dropped (a destructor run by the unwind of its
+    /// suspended stack: [`may_sleep`](spindle_fiber::may_sleep) is false)
+    /// does not wait: it takes a token if there is one, else returns
+    /// `Interrupted`.
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};

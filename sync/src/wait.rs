@@ -270,7 +270,17 @@ impl std::error::Error for Interrupted {}
 ///
 /// `INTERRUPTIBLE`: a fiber with an interrupt pending (taken before it
 /// links its node, or when it wakes without a value) unlinks its node and
-/// returns `Err(Interrupted)` instead; a thread waits as before.
+/// returns `Err(Interrupted)` instead; so does, at once, a fiber whose
+/// stack is being unwound because it was dropped (a destructor that waits:
+/// it has no runner left, so it is as good as cancelled, and its wait
+/// could only block the dropping thread); a thread waits as before.
+/// Whether the caller runs on a fiber whose stack is being unwound because
+/// it was dropped.
+#[cold]
+fn dropped_fiber() -> bool {
+    spindle_fiber::in_fiber() && !spindle_fiber::may_sleep()
+}
+
 #[track_caller]
 #[inline]
 pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
@@ -280,7 +290,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
 ) -> Result<*mut (), Interrupted> {
-    if INTERRUPTIBLE && spindle_fiber::take_interrupt() {
+    if INTERRUPTIBLE && (spindle_fiber::take_interrupt() || dropped_fiber()) {
         return Err(Interrupted);
     }
     let node = pin!(WaitNode::for_current(wake_priority));

@@ -230,3 +230,42 @@ fn a_waiter_from_an_earlier_function_interrupts_nothing() {
     sem.release(1);
     assert!(matches!(f.run(), Ok(RunOutcome::Returned((Ok(()), false)))));
 }
+
+/// A destructor run while a dropped fiber's stack is unwound has no runner
+/// to come back to: its interruptible waits do not wait (they blocked the
+/// dropping thread, for good if nothing came). What is there is taken;
+/// otherwise they return `Interrupted`, as a cancelled fiber's do.
+#[test]
+fn interruptible_waits_in_a_dropped_fibers_destructor_do_not_wait() {
+    watchdog("interruptible_waits_in_a_dropped_fibers_destructor_do_not_wait", 30, |stage| {
+        type Seen = Arc<std::sync::Mutex<Vec<String>>>;
+        struct WaitsOnDrop(Arc<Semaphore>, Arc<Channel<u32>>, Seen);
+        impl Drop for WaitsOnDrop {
+            fn drop(&mut self) {
+                let mut seen = self.2.lock().unwrap();
+                seen.push(format!("{:?}", self.0.acquire_interruptible()));
+                seen.push(format!("{:?}", self.0.acquire_interruptible()));
+                seen.push(format!("{:?}", self.1.pop_interruptible().map(Msg::into_inner)));
+                seen.push(format!("{:?}", self.1.pop_interruptible().map(Msg::into_inner)));
+            }
+        }
+        let (sem, chan) = (Arc::new(Semaphore::new(1)), Arc::new(Channel::new()));
+        chan.push(Msg::new(7));
+        let seen: Seen = Arc::default();
+        let guard = WaitsOnDrop(sem.clone(), chan.clone(), seen.clone());
+        let f = fiber(Priority::NORMAL, move || {
+            let _guard = guard;
+            spindle_fiber::yield_now();
+        });
+        assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
+        stage.set("dropping the suspended fiber: its destructor waits on the semaphore and the channel");
+        drop(f);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            ["Ok(())", "Err(Interrupted)", "Ok(7)", "Err(Interrupted)"],
+            "the token and the message that were there are taken; the waits for more end at once"
+        );
+        assert_eq!((sem.waiters(), sem.available()), (0, 0));
+        assert_eq!(chan.len(), 0);
+    });
+}
