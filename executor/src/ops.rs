@@ -69,7 +69,11 @@ pub(crate) fn check_cancel() {
 ///
 /// # Panics
 /// Outside an executor's fiber; use [`Executor::spawn`](crate::Executor::spawn)
-/// or a [`Handle`] there.
+/// or a [`Handle`] there. That includes a destructor of a fiber dropped
+/// outside its worker's loop (a worker's thread-local destructor that
+/// wakes it after shutdown; [`Handle::current`] is `None` there), where the
+/// panic, during an unwind, aborts the process: keep a [`Handle`] for
+/// spawns from destructors.
 pub fn spawn<F, T>(f: F) -> JoinHandle<T>
 where
     F: FnOnce() -> T + Send + 'static,
