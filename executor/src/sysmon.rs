@@ -5,8 +5,8 @@
 //! It naps between rounds (`next_nap`): `sysmon_interval` (250 µs by
 //! default) while jobs are queued and the pool can still grow; while
 //! workers run but nothing waits, at most 5 ms, or half a time slice (at
-//! most 10 ms) once the pool is at its maximum; when every worker is
-//! parked, 10 ms; never less than `sysmon_interval`; unless
+//! most 10 ms) once the pool is at its maximum (each of these at least
+//! `sysmon_interval`); when every worker is parked, 10 ms; unless
 //! woken sooner by a timer registration, a thread blocking in a join or a
 //! scope, or shutdown.
 

@@ -397,9 +397,11 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
                 yield_now();
                 spindle_executor::yield_if_needed();
                 // Runs its closure (it panicked: "outside an executor
-                // fiber", an abort here), whose interruptible waits do not
-                // block: this fiber has no runner left (they blocked the
-                // thread, and shutdown with it, for good).
+                // fiber", an abort here). Where this fiber is dropped it has
+                // no runner left, and its interruptible waits do not block
+                // (they blocked the thread, and shutdown with it, for good);
+                // where it is cancelled, they end at the deadline or by the
+                // shutdown's interrupt.
                 let empty = Semaphore::new(0);
                 let waits = spindle_executor::interrupt_after(Duration::from_millis(1), || {
                     [empty.acquire_interruptible(), empty.acquire_interruptible()]

@@ -307,7 +307,8 @@ impl RawChannel {
     ///
     /// # Errors
     ///
-    /// [`Interrupted`] if the fiber was interrupted before a message came.
+    /// [`Interrupted`] if the fiber was interrupted before a message came,
+    /// or, with none there, at once in a fiber being dropped.
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<NonNull<MsgHeader>, Interrupted> {
@@ -546,9 +547,12 @@ impl<T> Channel<T> {
     /// an interrupt made before the wait counts too, once): then no message
     /// is taken. A message that is queued is taken even with an interrupt
     /// pending. A thread waits as in `pop`. A fiber that is being dropped
-    /// (a destructor run by the unwind of its suspended stack:
-    /// [`may_sleep`](spindle_fiber::may_sleep) is false) does not wait: it
-    /// takes a message if one is queued, else returns `Interrupted`.
+    /// (a destructor run by the unwind of its suspended stack, or code that
+    /// caught that unwind: [`may_sleep`](spindle_fiber::may_sleep) is
+    /// false) does not wait: it takes a message if one is queued, else
+    /// returns `Interrupted`, and so does every retry (do not loop on it
+    /// there: use `pop`, which blocks the thread, if the message must be
+    /// had).
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
@@ -577,7 +581,8 @@ impl<T> Channel<T> {
     ///
     /// # Errors
     ///
-    /// [`Interrupted`] if the fiber was interrupted before a message came.
+    /// [`Interrupted`] if the fiber was interrupted before a message came,
+    /// or, with none there, at once in a fiber being dropped.
     ///
     /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
     /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt

@@ -116,9 +116,11 @@ impl Semaphore {
     /// once): then no token is taken. A token that is available is taken
     /// even with an interrupt pending. A thread waits as in `acquire`. A
     /// fiber that is being dropped (a destructor run by the unwind of its
-    /// suspended stack: [`may_sleep`](spindle_fiber::may_sleep) is false)
-    /// does not wait: it takes a token if there is one, else returns
-    /// `Interrupted`.
+    /// suspended stack, or code that caught that unwind:
+    /// [`may_sleep`](spindle_fiber::may_sleep) is false) does not wait: it
+    /// takes a token if there is one, else returns `Interrupted`, and so
+    /// does every retry (do not loop on it there: use `acquire`, which
+    /// blocks the thread, if the token must be had).
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
@@ -137,7 +139,8 @@ impl Semaphore {
     ///
     /// # Errors
     ///
-    /// [`Interrupted`] if the fiber was interrupted before a token came.
+    /// [`Interrupted`] if the fiber was interrupted before a token came,
+    /// or, with none there, at once in a fiber being dropped.
     ///
     /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
     /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt

@@ -246,20 +246,28 @@ impl<S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> Drop for Linked<'_, S, G> 
 /// Why an interruptible wait returned without what it waited for: the
 /// fiber was interrupted ([`Waiter::interrupt`](spindle_fiber::Waiter::interrupt),
 /// [`Fiber::interrupt`](spindle_fiber::Fiber::interrupt)) before a waker
-/// came. Nothing was taken.
+/// came, or it is being dropped (its destructors run with no runner left,
+/// so its waits end at once). Nothing was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interrupted;
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(
-            "the wait was interrupted (Waiter::interrupt or Fiber::interrupt) before it got what it waited \
-             for; nothing was taken: stop, or wait again",
+            "the wait was interrupted (Waiter::interrupt or Fiber::interrupt, or the fiber is being \
+             dropped) before it got what it waited for; nothing was taken: stop, or wait again (not in \
+             a fiber being dropped: its waits end at once)",
         )
     }
 }
 
 impl std::error::Error for Interrupted {}
+
+/// Whether the caller runs on a fiber whose stack is being unwound because
+/// it was dropped (a destructor of that unwind, or code that caught it).
+fn dropped_fiber() -> bool {
+    spindle_fiber::in_fiber() && !spindle_fiber::may_sleep()
+}
 
 /// Sleeper steps 2 to 5: links a node for the current fiber or thread into
 /// the list that `list` picks out of the locked state, unlocks, sleeps until
@@ -274,13 +282,6 @@ impl std::error::Error for Interrupted {}
 /// stack is being unwound because it was dropped (a destructor that waits:
 /// it has no runner left, so it is as good as cancelled, and its wait
 /// could only block the dropping thread); a thread waits as before.
-/// Whether the caller runs on a fiber whose stack is being unwound because
-/// it was dropped.
-#[cold]
-fn dropped_fiber() -> bool {
-    spindle_fiber::in_fiber() && !spindle_fiber::may_sleep()
-}
-
 #[track_caller]
 #[inline]
 pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
