@@ -201,7 +201,9 @@ pub fn may_sleep() -> bool {
 /// be told apart from one made after a `catch_unwind` that caught the
 /// unwind, and it suspends, which restarts the unwind: inside a
 /// destructor that aborts the process. Code that caught the unwind and
-/// yields restarts it in every case.
+/// yields restarts it, unless it yields from a destructor while a panic
+/// of its own unwinds (the two look the same): that yield yields the
+/// thread, and the panic goes on.
 ///
 /// # Panics
 ///

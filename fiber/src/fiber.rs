@@ -333,7 +333,12 @@ impl<T> Inner<T> {
 /// aborts the process where any unwind would: a destructor on that stack
 /// that panics (a panic during cleanup), or a suspension point inside an
 /// `extern "C"` function (a frame that cannot unwind). Let such fibers
-/// finish instead of dropping them suspended. In a build with
+/// finish instead of dropping them suspended. A fiber whose code catches
+/// the unwind and suspends again restarts it, so one that does so in a
+/// loop (`loop { let _ = catch_unwind(|| job()); }` around jobs that
+/// yield) makes the drop never return: rethrow a payload you did not
+/// expect (a forced unwind's is not a panic of your jobs), or let the
+/// fiber finish. In a build with
 /// `panic = "abort"` there is no unwinding: a suspended fiber that is
 /// dropped has its stack leaked and counted, as above.
 ///

@@ -632,7 +632,12 @@ impl<T> Drop for RunQueue<T> {
     /// fiber released on another thread than its own leaks its stack (its
     /// locals are never dropped; `spindle_fiber::leaked_stacks` counts it),
     /// and a suspended migratable one is unwound on the releasing (or
-    /// waking) thread.
+    /// waking) thread. If that thread is panicking (the last handle was
+    /// held by a fiber that is itself being unwound, say), a destructor of
+    /// such a fiber that yields aborts the process: see
+    /// [`yield_value`](spindle_fiber::yield_value). Drop the last handle
+    /// outside fibers that may be dropped suspended, or let the queued
+    /// fibers finish first.
     fn drop(&mut self) {
         if self.shared.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
