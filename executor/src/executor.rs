@@ -225,7 +225,8 @@ impl Executor {
         crate::scope::scope(&self.handle, f)
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters; see [`Handle::stats`] for which of them
+    /// are read together.
     pub fn stats(&self) -> ExecutorStats {
         self.handle.stats()
     }

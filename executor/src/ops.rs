@@ -88,7 +88,9 @@ where
 }
 
 /// Lets other fibers run; the caller goes to the back of its worker's
-/// queue for its priority class. On an ordinary thread, yields the thread.
+/// queue for its priority class. On an ordinary thread, yields the thread,
+/// and so it does in a destructor run while a dropped fiber's stack is
+/// unwound (see [`spindle_fiber::yield_value`]).
 /// A cancelled fiber unwinds here (unlike `spindle_fiber::yield_now`,
 /// which knows nothing of cancellation).
 #[inline]
@@ -256,8 +258,9 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// assert_eq!(got, Err(Interrupted));
 /// ```
 ///
-/// In a destructor run while a dropped fiber's stack is unwound (at
-/// shutdown, say: [`spindle_fiber::may_sleep`] is false there), `f` runs as
+/// In a destructor run while a dropped fiber's stack is unwound, or in
+/// code that caught that unwind, in any fiber (at shutdown, say:
+/// [`spindle_fiber::may_sleep`] is false there), `f` runs as
 /// if its deadline had passed: its interruptible waits take what is there
 /// or return `Interrupted` at once, as they do in such a destructor
 /// anyway, and its plain waits block the thread. (Panicking there would
@@ -266,7 +269,9 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// # Panics
 ///
 /// Outside a fiber of a `spindle-executor` executor (a thread cannot be
-/// interrupted: its waits would ignore the deadline).
+/// interrupted: its waits would ignore the deadline), except in a fiber
+/// whose stack is being unwound because it was dropped (`may_sleep()`
+/// false; see above), where `f` just runs.
 ///
 /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
 /// [`Semaphore::acquire_interruptible`]: spindle_sync::Semaphore::acquire_interruptible

@@ -238,8 +238,11 @@ pub(crate) struct Shared {
     /// (threads start in index order and never stop before shutdown), so
     /// scans of the pool cost the workers it has had, not `max_workers`.
     pub(crate) slots: AtomicUsize,
-    /// Held while `active` and the workers' `active` flags change
-    /// (scale-up, retirement).
+    /// Held while `active`, the workers' `active` flags and the scaling
+    /// counters (`scale_ups`, `scale_downs`, `peak_workers`) change
+    /// (scale-up, retirement), and by `Handle::stats` while it reads them,
+    /// so they agree. Not held across tracing events (a subscriber may call
+    /// `stats()`).
     pub(crate) scaling: Mutex<()>,
     /// Workers looking for work (spinning before they park).
     pub(crate) searching: CachePadded<AtomicUsize>,

@@ -21,7 +21,9 @@ use crate::config::OnDeadlock;
 use crate::shared::Shared;
 use crate::task::JoinError;
 
-/// Longest sysmon sleep while everything is idle.
+/// Sysmon's nap while every worker is parked, and the longest one while
+/// workers run with the pool at its maximum or a deadlock is being
+/// confirmed.
 const IDLE_NAP: Duration = Duration::from_millis(10);
 
 /// Longest sysmon sleep while a worker is busy and the pool may still grow

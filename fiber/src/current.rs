@@ -163,7 +163,9 @@ pub fn in_fiber() -> bool {
 /// unwound. Destructors run then with the fiber current, but the fiber
 /// has no runner to come back to: a yield there yields the thread (with
 /// an exception: see [`yield_value`]), and a [`sleep`] panics (and the
-/// process aborts: a panic in a destructor during an unwind). Code that
+/// process aborts: a panic in a destructor during an unwind; if the
+/// dropping thread was itself panicking, the sleep restarts the unwind
+/// instead, which aborts too). Code that
 /// caught the unwind with `catch_unwind` and then suspends restarts it.
 /// Code that must wait in a destructor (a scope waiting for the fibers it
 /// spawned) blocks the thread instead when this is false.

@@ -166,8 +166,10 @@ pub(crate) struct Header {
     pub(crate) stack_size: usize,
     pub(crate) guard: (usize, usize),
     /// Address of the corosensei yielder of the current function. Written
-    /// by the fiber itself when its function starts, read only by the fiber
-    /// itself (in `yield_now`/`sleep`).
+    /// by the fiber itself when its function starts; moved to
+    /// `drop_yielder` (null here) by `release` for a dropped fiber's forced
+    /// unwind; cleared when the function ends and by `set_function`. Read
+    /// only on the fiber's own stack (`yield_value`/`sleep_on`).
     pub(crate) yielder: AtomicPtr<()>,
     /// The yielder moved aside by `release` while it unwinds the stack of
     /// the dropped fiber (`yielder` is null meanwhile, so that suspensions

@@ -56,7 +56,10 @@
 //! `interrupt_after` gives them a timeout, and a scheduler or a timer of
 //! your own can interrupt them too. The plain `acquire` and `pop`
 //! are not interrupted (an interrupt stays pending for the next
-//! interruptible wait). Threads are not interrupted.
+//! interruptible wait). Threads are not interrupted. A fiber being dropped
+//! (a destructor run by the unwind of its suspended stack: `may_sleep()`
+//! is false in a fiber) does not wait in an interruptible wait at all: it
+//! takes what is there, else gets [`Interrupted`] at once.
 //!
 //! # What is not here
 //!

@@ -33,8 +33,10 @@ struct Synced {
 /// destructors then run inside `release`, and block it if they wait.)
 ///
 /// A fiber that cannot sleep, because its stack is being unwound after
-/// its last handle was dropped, waits like a thread: its destructors may
-/// `acquire`, blocking the dropping thread until a release.
+/// its last handle was dropped, waits like a thread in `acquire`: its
+/// destructors may `acquire`, blocking the dropping thread until a
+/// release. Its `acquire_interruptible` does not wait: it takes a token if
+/// there is one, else returns `Interrupted` at once.
 ///
 /// A token handed to a sleeping fiber is its own from then on: if the
 /// fiber is dropped before it runs again, the unwind gives the token back

@@ -75,9 +75,11 @@ pub(crate) struct WaitNode {
 impl WaitNode {
     fn for_current(wake_priority: Option<Priority>) -> WaitNode {
         // A fiber sleeps; so does a thread, and so does a fiber that cannot
-        // sleep: one whose stack is being unwound because it was dropped
-        // (a destructor that waits). A suspension there would only restart
-        // the unwind, so it blocks the dropping thread instead.
+        // sleep: one whose stack is being unwound because it was dropped (a
+        // plain wait in a destructor, or after a `catch_unwind` of the
+        // forced unwind; interruptible waits returned before this). A sleep
+        // there would panic in a destructor (aborting) or restart the
+        // unwind, so it blocks the dropping thread instead.
         let fiber = if spindle_fiber::may_sleep() { Waiter::current() } else { None };
         let sleeper = match fiber {
             Some(w) => Sleeper::Fiber(w),
@@ -214,9 +216,10 @@ impl Wakeup {
 /// hands it to the next waiter or keeps it.
 ///
 /// A dropped fiber's destructors (or code that catches the forced unwind)
-/// that wait on a primitive block the dropping thread instead of sleeping
-/// (`WaitNode::for_current`), so no unwind starts from a linked node's
-/// sleep. Should one ever (a bug), unwinding past `wait` would free a node
+/// that make a plain wait on a primitive block the dropping thread instead
+/// of sleeping (`WaitNode::for_current`; interruptible ones return
+/// `Interrupted` before linking a node: `dropped_fiber`), so no unwind
+/// starts from a linked node's sleep. Should one ever (a bug), unwinding past `wait` would free a node
 /// that is still on the list, so the process aborts instead, as Rust does
 /// for a panic during a panic.
 struct Linked<'a, S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> {
