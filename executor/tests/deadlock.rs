@@ -420,16 +420,22 @@ fn a_long_time_slice_does_not_delay_deadlock_detection() {
             .deadlock_grace(Duration::from_millis(100))
             .build();
         let never = Arc::new(Semaphore::new(0));
-        stage.set("a fiber busy long enough for sysmon to take its busy nap, then asleep for good");
-        let n = Arc::clone(&never);
+        let joining = common::Flag::new();
+        stage.set("a fiber busy while the test thread starts its join, then asleep for good");
+        let (n, j) = (Arc::clone(&never), joining.clone());
         let stuck = exec.spawn(move || {
-            // Not synchronisation: the pool must look busy at its maximum
-            // when sysmon picks its nap, which the join below makes it do
-            // (a blocking join wakes sysmon) while this still spins.
-            common::spin_for(Duration::from_millis(200));
+            // Busy when the join below wakes sysmon, which then picks its
+            // nap with the pool busy at its maximum (not synchronisation:
+            // the spin after the flag only keeps the fiber busy past that
+            // look).
+            while !j.is_set() {
+                std::hint::spin_loop();
+            }
+            common::spin_for(Duration::from_millis(50));
             n.acquire();
         });
         stage.set("joining the fiber that can never finish (before the fix: a 30-minute nap)");
+        joining.set();
         let err = stuck.join().expect_err("it can never finish");
         assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
     });
