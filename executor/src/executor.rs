@@ -35,9 +35,9 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// with the primitive. A [`scope`](Executor::scope) waiting for such a
 /// fiber waits until its stack is unwound, which may be never. A fiber
 /// asleep in `join` on such a fiber is woken when the shutdown completes
-/// the joined task as cancelled, and unwound if its worker has not closed
-/// yet, else leaked; one asleep in `join` on a task of another executor
-/// is woken only when that task finishes, and leaked then.
+/// the joined task as cancelled, and unwound on its worker; one asleep in
+/// `join` on a task of another executor is woken only when that task
+/// finishes, and leaked then (its worker is gone).
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example

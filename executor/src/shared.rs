@@ -78,9 +78,13 @@ pub(crate) struct Job {
 #[derive(Default)]
 pub(crate) struct ClassQueues {
     pub(crate) q: [std::collections::VecDeque<Task>; CLASSES],
-    /// Set by the worker once it has drained for the last time: a fiber
-    /// woken after that has no thread to run on.
+    /// Set once every worker has drained for the last time, for all
+    /// inboxes at once (`Worker::drain`): a fiber woken after that has no
+    /// thread to run on.
     pub(crate) closed: bool,
+    /// The worker found nothing left in its final drain and waits for the
+    /// others (or for a fiber woken into this inbox).
+    pub(crate) drain_idle: bool,
 }
 
 /// Executor-wide counters (rarely written, or written by spawners only).
@@ -244,6 +248,11 @@ pub(crate) struct Shared {
     /// so they agree. Not held across tracing events (a subscriber may call
     /// `stats()`).
     pub(crate) scaling: Mutex<()>,
+    /// Workers idle in their final drain (`ClassQueues::drain_idle`).
+    pub(crate) drain_idle: AtomicUsize,
+    /// Taken (`try_lock`) by the worker that looks whether every inbox can
+    /// close.
+    pub(crate) closing: Mutex<()>,
     /// Workers looking for work (spinning before they park).
     pub(crate) searching: CachePadded<AtomicUsize>,
     /// Set by a worker that could not map a stack for a job: every worker
@@ -318,6 +327,8 @@ impl Shared {
                 active: AtomicUsize::new(0),
                 slots: AtomicUsize::new(0),
                 scaling: Mutex::new(()),
+                drain_idle: AtomicUsize::new(0),
+                closing: Mutex::new(()),
                 searching: CachePadded::new(AtomicUsize::new(0)),
                 stack_pressure: AtomicBool::new(false),
                 next_spawn: CachePadded::new(AtomicUsize::new(0)),

@@ -121,7 +121,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
     }
     let _clear = ClearCurrent;
     w.main_loop(&parker);
-    w.drain();
+    w.drain(&parker);
 }
 
 enum Next {
@@ -614,18 +614,19 @@ impl Worker {
     /// on a primitive outside the executor (those fibers are held by their
     /// primitives' wait lists) or was queued in the last instant. Dropped on
     /// this thread, where started fibers are pinned.
-    fn drain(&mut self) {
-        // Completing a task wakes its joiners, some of them into this very
-        // inbox: drain until it stays empty, then close it (a later wake
-        // finds it closed: `orphaned`).
+    fn drain(&mut self, parker: &Parker) {
+        // Completing a task wakes its joiners, into this inbox or another
+        // worker's: drain until every worker has nothing left, then close
+        // every inbox at once (a later wake finds it closed: `orphaned`). A
+        // worker that closed its own inbox as soon as it was empty left a
+        // joiner that another worker's drain woke later with no thread to
+        // unwind it on: its stack leaked and its destructors never ran.
         loop {
             self.drain_inbox();
             let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
             fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
             if fibers.is_empty() {
-                let mut inbox = self.me().inbox.queues.lock();
-                if inbox.q.iter().all(|q| q.is_empty()) {
-                    inbox.closed = true;
+                if self.wait_for_close(parker) {
                     break;
                 }
                 continue;
@@ -651,8 +652,85 @@ impl Worker {
     }
 }
 
-/// A fiber woken after its worker closed its inbox (shutdown: a task
-/// completed by another worker's drain woke a joiner pinned here). No
+impl Worker {
+    /// Idle in the final drain: marks this worker idle (under its inbox
+    /// lock, with the inbox empty) and waits until a fiber is woken into
+    /// its inbox (returns false: busy again) or every inbox is closed
+    /// (returns true). The worker that sees every started worker idle
+    /// closes them all: under every inbox lock at once, idle marks and
+    /// empty inboxes mean no worker can wake another fiber any more (only
+    /// a busy worker completes tasks), so nothing woken by a drain is
+    /// left behind.
+    fn wait_for_close(&mut self, parker: &Parker) -> bool {
+        let shared = Arc::clone(&self.ctx.shared);
+        let me = self.me();
+        {
+            let mut inbox = me.inbox.queues.lock();
+            if inbox.closed {
+                return true;
+            }
+            if !inbox.q.iter().all(|q| q.is_empty()) {
+                return false;
+            }
+            inbox.drain_idle = true;
+            shared.drain_idle.fetch_add(1, Ordering::SeqCst);
+        }
+        loop {
+            let started =
+                shared.started_workers().iter().filter(|w| w.started.load(Ordering::Acquire)).count();
+            if shared.drain_idle.load(Ordering::SeqCst) >= started {
+                close_all_if_idle(&shared);
+            }
+            // Parking protocol (worker steps 1-3): a wake into this inbox
+            // notifies us.
+            me.inbox.parked.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            {
+                let mut inbox = me.inbox.queues.lock();
+                if inbox.closed {
+                    me.inbox.parked.store(false, Ordering::SeqCst);
+                    return true;
+                }
+                if !inbox.q.iter().all(|q| q.is_empty()) {
+                    inbox.drain_idle = false;
+                    shared.drain_idle.fetch_sub(1, Ordering::SeqCst);
+                    me.inbox.parked.store(false, Ordering::SeqCst);
+                    return false;
+                }
+            }
+            // A timeout as well: the last worker to go idle closes, and
+            // looks at the count only when it goes idle or wakes.
+            parker.park_timeout(std::time::Duration::from_millis(1));
+            me.inbox.parked.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Closes every started worker's inbox if every one is idle in its final
+/// drain with its inbox empty, looked at under all their locks at once
+/// (taken in index order; nothing else holds two).
+fn close_all_if_idle(shared: &Shared) {
+    let Some(_closing) = shared.closing.try_lock() else {
+        return;
+    };
+    let workers: Vec<&crate::shared::WorkerShared> =
+        shared.started_workers().iter().filter(|w| w.started.load(Ordering::Acquire)).collect();
+    let mut inboxes: Vec<_> = workers.iter().map(|w| w.inbox.queues.lock()).collect();
+    let idle = inboxes.iter().all(|i| i.closed || (i.drain_idle && i.q.iter().all(|q| q.is_empty())));
+    if !idle {
+        return;
+    }
+    for inbox in &mut inboxes {
+        inbox.closed = true;
+    }
+    drop(inboxes);
+    for w in workers {
+        w.notify();
+    }
+}
+
+/// A fiber woken after the inboxes closed (after shutdown: a thread
+/// outside the executor signalled a primitive it sleeps on). No
 /// thread will run it again: its join fails as cancelled, and it is dropped
 /// here: unwound if this is its worker's thread, else its stack is leaked
 /// and counted by `spindle_fiber::leaked_stacks` rather than unwound on the

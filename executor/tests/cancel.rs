@@ -414,7 +414,7 @@ fn a_destructor_that_yields_sleeps_or_joins_during_the_cancel_unwind() {
         }
         let by_drop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut rounds = 0;
-        while !by_drop.load(Ordering::SeqCst) && rounds < 20 {
+        while !by_drop.load(Ordering::SeqCst) && rounds < 200 {
             rounds += 1;
             let one = Executor::builder().workers(1).max_workers(1).build();
             let (never, asleep) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));

@@ -417,3 +417,50 @@ fn a_fiber_waiting_in_a_scope_at_shutdown_is_cancelled() {
         assert!(err.is_cancelled(), "the scope's owner ends as cancelled, not: {err}");
     });
 }
+
+/// A fiber asleep in `join` at shutdown, whose joined task (asleep in a
+/// plain wait nobody ends) sits on another worker (in most rounds, with
+/// two workers and stealing): that worker's drain
+/// completes the task as cancelled and wakes the joiner, and the joiner is
+/// unwound on its own worker, its destructors run, before the drop
+/// returns. Each worker used to close its inbox as soon as it was empty,
+/// so a joiner woken after its own worker closed was leaked (its
+/// destructors never ran): most rounds with two workers.
+#[test]
+fn a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own() {
+    watchdog("a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own", 60, |stage| {
+        for round in 0..common::size(20, 40) {
+            stage.set(format!("round {round}: a joiner and the task it joins, asleep at shutdown"));
+            let exec = Executor::builder().workers(2).max_workers(2).build();
+            let never = Arc::new(Semaphore::new(0));
+            let (asleep, dropped) = (Arc::new(Semaphore::new(0)), Flag::new());
+            let (n, a) = (never.clone(), asleep.clone());
+            let t = exec.spawn(move || {
+                a.release(1);
+                n.acquire();
+            });
+            struct SetsOnDrop(Flag);
+            impl Drop for SetsOnDrop {
+                fn drop(&mut self) {
+                    self.0.set();
+                }
+            }
+            let (d, a) = (dropped.clone(), asleep.clone());
+            let j = exec.spawn(move || {
+                let _guard = SetsOnDrop(d);
+                a.release(1);
+                let _ = t.join();
+            });
+            asleep.acquire();
+            asleep.acquire();
+            stage.set(format!("round {round}: dropping the executor"));
+            drop(exec);
+            assert!(j.join().expect_err("shut down").is_cancelled());
+            assert!(
+                dropped.is_set(),
+                "round {round}: the joiner's destructors did not run (its stack leaked)"
+            );
+            drop(never);
+        }
+    });
+}
