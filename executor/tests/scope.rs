@@ -266,6 +266,12 @@ fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
         let handle = exec.handle();
         let (quick_done, go, slow_done) = (Flag::new(), Flag::new(), Flag::new());
         let (q, g, d) = (quick_done.clone(), go.clone(), slow_done.clone());
+        // The quick fiber ends only once the waiting fiber is asleep in its
+        // scope: ended before, its token was taken without a sleep, the
+        // fiber slept for the slow one, and nothing woke it (the test's
+        // own race, seen twice in CI-like runs).
+        let asleep = Flag::new();
+        let a = asleep.clone();
         // A plain fiber (no executor) opens a scope over a local of its own
         // stack and waits in it.
         let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
@@ -274,7 +280,12 @@ fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
                 let local = [1u64, 2, 3];
                 let local = &local;
                 handle.scope(|s| {
-                    s.spawn(move || q.set());
+                    s.spawn(move || {
+                        while !a.is_set() {
+                            yield_now();
+                        }
+                        q.set();
+                    });
                     s.spawn(move || {
                         while !g.is_set() {
                             yield_now();
@@ -290,6 +301,7 @@ fn a_scope_in_a_woken_fiber_that_is_dropped_still_waits_for_its_fibers() {
             .unwrap();
         stage.set("the fiber waits in its scope");
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        asleep.set();
         stage.set("the quick scoped fiber ends and wakes the waiting fiber");
         while !(quick_done.is_set() && fiber.state() == FiberState::Ready) {
             std::thread::yield_now();
