@@ -250,8 +250,8 @@ pub(crate) struct Shared {
     pub(crate) scaling: Mutex<()>,
     /// Workers idle in their final drain (`ClassQueues::drain_idle`).
     pub(crate) drain_idle: AtomicUsize,
-    /// Taken (`try_lock`) by the worker that looks whether every inbox can
-    /// close.
+    /// Held by a worker while it looks whether every inbox can close (one
+    /// look at a time).
     pub(crate) closing: Mutex<()>,
     /// Workers looking for work (spinning before they park).
     pub(crate) searching: CachePadded<AtomicUsize>,

@@ -120,6 +120,31 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
         }
     }
     let _clear = ClearCurrent;
+    // A worker thread that unwinds (a bug: user code's panics are caught)
+    // must not keep the others in their final drain: its inbox closes
+    // and counts as idle.
+    struct IdleIfUnwound(Arc<Shared>, usize);
+    impl Drop for IdleIfUnwound {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                return;
+            }
+            let shared = &self.0;
+            let last = {
+                let mut inbox = shared.workers[self.1].inbox.queues.lock();
+                inbox.closed = true;
+                if inbox.drain_idle {
+                    return;
+                }
+                inbox.drain_idle = true;
+                shared.drain_idle.fetch_add(1, Ordering::SeqCst) + 1 >= started_count(shared)
+            };
+            if last {
+                close_all_if_idle(shared);
+            }
+        }
+    }
+    let _idle_if_unwound = IdleIfUnwound(Arc::clone(&w.ctx.shared), index);
     w.main_loop(&parker);
     w.drain(&parker);
 }
@@ -626,6 +651,11 @@ impl Worker {
             let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
             fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
             if fibers.is_empty() {
+                // Jobs queued in the last instant are dropped before this
+                // worker goes idle: failing their joins wakes joiners too.
+                if self.drop_queued_jobs() {
+                    continue;
+                }
                 if self.wait_for_close(parker) {
                     break;
                 }
@@ -640,15 +670,24 @@ impl Worker {
                 }
             }
         }
+        self.cache.clear();
+    }
+
+    /// Drops the jobs left in this worker's queues; returns whether there
+    /// were any.
+    fn drop_queued_jobs(&mut self) -> bool {
+        let mut any = false;
         for class in 0..CLASSES {
             while let Some(job) = self.ctx.locals[class].pop() {
                 self.drop_job(job);
+                any = true;
             }
             while let Some(job) = steal_one(&self.me().fresh[class]) {
                 self.drop_job(job);
+                any = true;
             }
         }
-        self.cache.clear();
+        any
     }
 }
 
@@ -664,7 +703,7 @@ impl Worker {
     fn wait_for_close(&mut self, parker: &Parker) -> bool {
         let shared = Arc::clone(&self.ctx.shared);
         let me = self.me();
-        {
+        let last = {
             let mut inbox = me.inbox.queues.lock();
             if inbox.closed {
                 return true;
@@ -673,14 +712,15 @@ impl Worker {
                 return false;
             }
             inbox.drain_idle = true;
-            shared.drain_idle.fetch_add(1, Ordering::SeqCst);
+            shared.drain_idle.fetch_add(1, Ordering::SeqCst) + 1 >= started_count(&shared)
+        };
+        // The worker that makes the count reach every started worker looks
+        // (a look that fails is followed by another: the worker whose inbox
+        // got a fiber is notified, drains it and comes here again).
+        if last {
+            close_all_if_idle(&shared);
         }
         loop {
-            let started =
-                shared.started_workers().iter().filter(|w| w.started.load(Ordering::Acquire)).count();
-            if shared.drain_idle.load(Ordering::SeqCst) >= started {
-                close_all_if_idle(&shared);
-            }
             // Parking protocol (worker steps 1-3): a wake into this inbox
             // notifies us.
             me.inbox.parked.store(true, Ordering::SeqCst);
@@ -698,21 +738,34 @@ impl Worker {
                     return false;
                 }
             }
-            // A timeout as well: the last worker to go idle closes, and
-            // looks at the count only when it goes idle or wakes.
-            parker.park_timeout(std::time::Duration::from_millis(1));
+            // A timeout as a backstop only (a look made while a worker
+            // counted as started had not started yet): every idle worker
+            // polling every 1 ms cost a pool of 1024 workers seconds.
+            parker.park_timeout(CLOSE_BACKSTOP);
             me.inbox.parked.store(false, Ordering::SeqCst);
+            if shared.drain_idle.load(Ordering::SeqCst) >= started_count(&shared) {
+                close_all_if_idle(&shared);
+            }
         }
     }
+}
+
+/// How long a worker idle in its final drain waits, if nothing wakes it,
+/// before it looks again whether every inbox can close.
+const CLOSE_BACKSTOP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Started workers (their threads run, or ran).
+fn started_count(shared: &Shared) -> usize {
+    shared.started_workers().iter().filter(|w| w.started.load(Ordering::Acquire)).count()
 }
 
 /// Closes every started worker's inbox if every one is idle in its final
 /// drain with its inbox empty, looked at under all their locks at once
 /// (taken in index order; nothing else holds two).
 fn close_all_if_idle(shared: &Shared) {
-    let Some(_closing) = shared.closing.try_lock() else {
-        return;
-    };
+    // Blocking: a look that waits for another one still looks (that one
+    // may have failed for a worker busy then and idle now).
+    let _closing = shared.closing.lock();
     let workers: Vec<&crate::shared::WorkerShared> =
         shared.started_workers().iter().filter(|w| w.started.load(Ordering::Acquire)).collect();
     let mut inboxes: Vec<_> = workers.iter().map(|w| w.inbox.queues.lock()).collect();
