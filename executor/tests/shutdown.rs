@@ -429,6 +429,9 @@ fn a_fiber_waiting_in_a_scope_at_shutdown_is_cancelled() {
 #[test]
 fn a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own() {
     watchdog("a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own", 60, |stage| {
+        // Rounds whose joiner was unwound by a drain (its destructors see
+        // `may_sleep()` false), not cancelled at its join before it slept.
+        let by_drain = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for round in 0..common::size(20, 40) {
             stage.set(format!("round {round}: a joiner and the task it joins, asleep at shutdown"));
             let exec = Executor::builder().workers(2).max_workers(2).build();
@@ -439,15 +442,18 @@ fn a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own() {
                 a.release(1);
                 n.acquire();
             });
-            struct SetsOnDrop(Flag);
+            struct SetsOnDrop(Flag, Arc<std::sync::atomic::AtomicUsize>);
             impl Drop for SetsOnDrop {
                 fn drop(&mut self) {
+                    if !spindle_fiber::may_sleep() {
+                        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
                     self.0.set();
                 }
             }
-            let (d, a) = (dropped.clone(), asleep.clone());
+            let (d, b, a) = (dropped.clone(), by_drain.clone(), asleep.clone());
             let j = exec.spawn(move || {
-                let _guard = SetsOnDrop(d);
+                let _guard = SetsOnDrop(d, b);
                 a.release(1);
                 let _ = t.join();
             });
@@ -462,5 +468,9 @@ fn a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own() {
             );
             drop(never);
         }
+        assert!(
+            by_drain.load(std::sync::atomic::Ordering::SeqCst) > 0,
+            "no round's joiner was unwound by a drain (each was cancelled before it slept)"
+        );
     });
 }
