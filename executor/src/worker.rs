@@ -136,8 +136,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
                 if inbox.drain_idle {
                     return;
                 }
-                inbox.drain_idle = true;
-                shared.drain_idle.fetch_add(1, Ordering::SeqCst) + 1 >= started_count(shared)
+                mark_drain_idle(shared, &mut inbox)
             };
             if last {
                 close_all_if_idle(shared);
@@ -711,8 +710,7 @@ impl Worker {
             if !inbox.q.iter().all(|q| q.is_empty()) {
                 return false;
             }
-            inbox.drain_idle = true;
-            shared.drain_idle.fetch_add(1, Ordering::SeqCst) + 1 >= started_count(&shared)
+            mark_drain_idle(&shared, &mut inbox)
         };
         // The worker that makes the count reach every started worker looks
         // (a look that fails is followed by another: the worker whose inbox
@@ -753,6 +751,14 @@ impl Worker {
 /// How long a worker idle in its final drain waits, if nothing wakes it,
 /// before it looks again whether every inbox can close.
 const CLOSE_BACKSTOP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Marks a worker idle in its final drain (its inbox locked: the mark and
+/// the count change together); returns whether that completes the count,
+/// so the caller looks whether every inbox can close.
+fn mark_drain_idle(shared: &Shared, inbox: &mut crate::shared::ClassQueues) -> bool {
+    inbox.drain_idle = true;
+    shared.drain_idle.fetch_add(1, Ordering::SeqCst) + 1 >= started_count(shared)
+}
 
 /// Started workers (their threads run, or ran).
 fn started_count(shared: &Shared) -> usize {
