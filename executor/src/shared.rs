@@ -212,13 +212,15 @@ impl Inbox {
 
 impl Schedule<()> for Inbox {
     /// The seam: a woken fiber goes back to the inbox of its worker.
-    fn schedule(&self, fiber: Task) {
+    fn schedule(&self, fiber: Task) -> Result<(), Task> {
         let class = class_of(fiber.priority());
         let mut queues = self.queues.lock();
         if queues.closed {
             drop(queues);
-            crate::worker::orphaned(fiber, &self.orphans);
-            return;
+            // No thread will run it again: refused, so that a waker takes
+            // back what it handed over; its join fails as cancelled.
+            crate::worker::cancel_orphan(&fiber, &self.orphans);
+            return Err(fiber);
         }
         queues.q[class].push_back(fiber);
         // Counted under the lock, so a drain never subtracts a fiber that is
@@ -228,6 +230,7 @@ impl Schedule<()> for Inbox {
         self.handoffs.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         self.notify();
+        Ok(())
     }
 }
 

@@ -789,19 +789,20 @@ fn close_all_if_idle(shared: &Shared) {
 }
 
 /// A fiber woken after the inboxes closed (after shutdown: a thread
-/// outside the executor signalled a primitive it sleeps on). No
-/// thread will run it again: its join fails as cancelled, and it is dropped
-/// here: unwound if this is its worker's thread, else its stack is leaked
-/// and counted by `spindle_fiber::leaked_stacks` rather than unwound on the
-/// wrong thread. A task it completes is counted in `orphans` first, so a
-/// joiner it wakes reads stats that include it.
-pub(crate) fn orphaned(fiber: Task, orphans: &AtomicU64) {
+/// outside the executor signalled a primitive it sleeps on). No thread will
+/// run it again: its join fails as cancelled here, and its inbox refuses
+/// it, so that the waker takes back what it handed over (`spindle-sync`
+/// gives it to the next waiter) before it drops the fiber: unwound if that
+/// is on its worker's thread, else its stack is leaked and counted by
+/// `spindle_fiber::leaked_stacks` rather than unwound on the wrong thread.
+/// A task it completes is counted in `orphans` first, so a joiner it wakes
+/// reads stats that include it.
+pub(crate) fn cancel_orphan(fiber: &Task, orphans: &AtomicU64) {
     if fiber.sched_data() == 0 {
         return;
     }
-    let task = take_task(&fiber);
+    let task = take_task(fiber);
     let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-    drop(fiber);
     orphans.fetch_add(1, Ordering::Release);
     task.complete(Some(err));
 }

@@ -248,16 +248,45 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
         drop(exec);
         assert!(h.join().expect_err("no value").is_cancelled());
         stage.set("releasing the semaphore after shutdown");
+        let leaked = spindle_fiber::leaked_stacks();
         sem.release(1);
-        // Handed to the fiber, which no thread will run again: it was
-        // dropped where it was woken (its stack, and the token with it,
-        // leaked on this thread rather than unwound off its own).
+        // Handed to the fiber, which no thread will run again: its inbox
+        // refused the wake, the release took the token back, and the fiber
+        // was dropped where it was woken (its stack leaked on this thread
+        // rather than unwound off its own).
         assert_eq!(sem.waiters(), 0, "the release took the fiber off the list");
-        assert_eq!(
-            sem.available(),
-            0,
-            "the token was handed to the fiber (not left in the count), and went with it"
-        );
+        assert_eq!(sem.available(), 1, "the refused fiber's token came back to the count");
+        assert!(spindle_fiber::leaked_stacks() > leaked, "the fiber's stack was leaked, not unwound here");
+        assert!(sem.try_acquire(), "the token can be taken");
+    });
+}
+
+/// A fiber left asleep on a semaphore by a shutdown sits at the head of its
+/// wait list; the thread waiting behind it gets the next token, which the
+/// fiber's refused wake gives on (it used to keep it, and the thread waited
+/// for good).
+#[test]
+fn a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token() {
+    watchdog("a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token", 30, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let h = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || sem.acquire())
+        };
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        stage.set("dropping the executor with a fiber asleep on a semaphore");
+        drop(exec);
+        assert!(h.join().expect_err("no value").is_cancelled());
+        let thread = {
+            let sem = Arc::clone(&sem);
+            std::thread::spawn(move || sem.acquire())
+        };
+        wait_for(&stage, "the thread to wait behind the fiber", || sem.waiters() == 2);
+        stage.set("releasing one token: the thread behind the fiber must get it");
+        sem.release(1);
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
     });
 }
 

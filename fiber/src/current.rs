@@ -455,18 +455,94 @@ impl Waiter {
     /// wakeup, so code that sleeps checks its condition again. If this was
     /// the last reference to a suspended fiber, dropping it unwinds the
     /// fiber here, as dropping any last reference does.
+    ///
+    /// A wake the fiber's scheduler refuses (it has shut down) leaves the
+    /// fiber `Ready`, in no queue. A waker that handed the fiber something
+    /// uses [`try_wake`](Waiter::try_wake) instead, to take it back.
     pub fn wake(self) {
+        // A refusal is dropped: the fiber becomes `Ready`.
+        let _ = self.try_wake();
+    }
+
+    /// Wakes the fiber as [`wake`](Waiter::wake) does, and says whether its
+    /// scheduler refused it ([`Schedule::schedule`] returned it: the
+    /// scheduler has shut down, so the fiber will not run from there).
+    ///
+    /// [`Schedule::schedule`]: crate::Schedule::schedule
+    ///
+    /// # Errors
+    ///
+    /// [`RefusedWake`] if the scheduler refused the fiber. Until that is
+    /// dropped the fiber is held as a wake holds it (its state reads
+    /// `Locked`): no thread can run it or unwind its stack, so a waker
+    /// that handed it something (a token, a message) can take it back and
+    /// hand it to someone else. Dropping it leaves the fiber `Ready`, in
+    /// no queue; run again, it finds nothing handed over and should wait
+    /// again, which `spindle-sync`'s waits do. (If a holder of the fiber
+    /// took it out of `Queued` by hand before the refusal could hold it,
+    /// the fiber is theirs to run, and this returns `Ok`.)
+    pub fn try_wake(self) -> Result<(), RefusedWake> {
         let h = self.header;
         std::mem::forget(self);
-        // SAFETY: we own one reference, which is handed on.
+        // SAFETY: we own one reference, which is handed on (or comes back
+        // on a refusal).
         unsafe {
             match h.as_ref().state.transition_to_woken() {
-                crate::state::WakeTransition::Owned => (h.as_ref().vtable.finish_wake)(h),
+                crate::state::WakeTransition::Owned => {
+                    if (h.as_ref().vtable.finish_wake)(h) {
+                        return Err(RefusedWake { header: h });
+                    }
+                }
                 crate::state::WakeTransition::Deferred | crate::state::WakeTransition::Void => {
                     (h.as_ref().vtable.release)(h)
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// A wake that the fiber's scheduler refused for good (see
+/// [`Waiter::try_wake`]). While it is held, the fiber is `Locked`, so
+/// nothing runs it or unwinds it; dropping it makes the fiber `Ready` (in
+/// no queue) and drops the reference it holds (a last reference unwinds or
+/// leaks the fiber, as any last reference does).
+pub struct RefusedWake {
+    header: NonNull<Header>,
+}
+
+// SAFETY: as for `Waiter`: a counted reference, used only through the
+// header's atomics and the state machine.
+unsafe impl Send for RefusedWake {}
+// SAFETY: `&RefusedWake` only reads immutable header fields.
+unsafe impl Sync for RefusedWake {}
+
+impl RefusedWake {
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        // SAFETY: we own a reference.
+        unsafe { self.header.as_ref() }.id
+    }
+}
+
+impl Drop for RefusedWake {
+    fn drop(&mut self) {
+        // SAFETY: we own a reference and hold the state `Locked`.
+        unsafe {
+            self.header.as_ref().state.store(crate::state::FiberState::Ready);
+            (self.header.as_ref().vtable.release)(self.header)
+        }
+    }
+}
+
+impl std::fmt::Debug for RefusedWake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // SAFETY: we own a reference.
+        let h = unsafe { self.header.as_ref() };
+        f.debug_struct("RefusedWake")
+            .field("fiber", &h.id)
+            .field("name", &h.name)
+            .finish()
     }
 }
 

@@ -230,7 +230,7 @@ impl<T> RunOutcome<T> {
 ///
 /// struct NotSync(std::cell::Cell<u8>);
 /// impl Schedule<()> for NotSync {
-///     fn schedule(&self, _fiber: Fiber<()>) {}
+///     fn schedule(&self, _fiber: Fiber<()>) -> Result<(), Fiber<()>> { Ok(()) }
 /// }
 /// ```
 ///
@@ -239,7 +239,7 @@ impl<T> RunOutcome<T> {
 ///
 /// struct Borrowing<'a>(&'a u8);
 /// impl<'a> Schedule<()> for Borrowing<'a> {
-///     fn schedule(&self, _fiber: Fiber<()>) {}
+///     fn schedule(&self, _fiber: Fiber<()>) -> Result<(), Fiber<()>> { Ok(()) }
 /// }
 /// ```
 pub trait Schedule<T>: Send + Sync + 'static {
@@ -247,16 +247,29 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// makes it runnable. Called from whatever thread woke the fiber: must
     /// not block for long, must not panic (the waker, often a `release` or
     /// `push`, is not prepared for it, and the fiber would stay `Queued` in
-    /// no queue), and must not drop the fiber on the floor: a scheduler
-    /// that cannot take it (shut down) calls
-    /// [`Fiber::mark_dequeued`] and drops its reference (the last one
-    /// unwinds the fiber, as any last reference does).
+    /// no queue), and must not drop the fiber on the floor.
+    ///
+    /// A scheduler that cannot take it, ever again (it has shut down),
+    /// refuses: it returns the fiber, untouched and still `Queued`. The
+    /// wake is then refused ([`Waiter::try_wake`] says so, with the fiber
+    /// held `Locked` so that nobody runs it while the waker takes back
+    /// what it handed over; `spindle-sync` gives a refused sleeper's token
+    /// or message to the next waiter), and the fiber ends up `Ready` with
+    /// no queue. Refuse only for good: a waker may hand its value to
+    /// someone else, and the fiber, when it runs again, waits again.
     ///
     /// It may be called from inside [`Fiber::run`], on the runner's thread
     /// (a wake that came while the fiber was switching out to sleep is
     /// finished there): queue the fiber, do not run it inline, or `run`
-    /// reports [`RunOutcome::Slept`] for a fiber that has run on since.
-    fn schedule(&self, fiber: Fiber<T>);
+    /// reports [`RunOutcome::Slept`] for a fiber that has run on since. A
+    /// refusal there leaves the fiber `Ready` (its waker has moved on).
+    ///
+    /// [`Waiter::try_wake`]: crate::Waiter::try_wake
+    ///
+    /// # Errors
+    ///
+    /// The fiber, untouched, if this scheduler refuses it for good.
+    fn schedule(&self, fiber: Fiber<T>) -> Result<(), Fiber<T>>;
 }
 
 /// The typed slot, owned exclusively by whoever holds the fiber's state.
@@ -916,7 +929,15 @@ impl<T: Send + 'static> Fiber<T> {
             // A waker came between the fiber publishing its waiter and the
             // switch: finish the wake for it (sleeper step 4).
             // SAFETY: we hold the state `Locked`.
-            SleepTransition::AlreadyWoken => unsafe { self.clone().finish_wake_owned() },
+            SleepTransition::AlreadyWoken => {
+                // SAFETY: as above.
+                if let Err(refused) = unsafe { self.clone().finish_wake_owned() } {
+                    // Refused for good: its waker has moved on, so nobody
+                    // takes anything back; the fiber is left `Ready` (run
+                    // again, it finds what it was handed).
+                    let _ = refused.mark_dequeued();
+                }
+            }
         }
         true
     }
@@ -1013,17 +1034,25 @@ impl<T: Send + 'static> Fiber<T> {
     /// if it may run there (its destructors run inside the wake), otherwise
     /// its stack is leaked and counted (`leaked_stacks`).
     ///
+    /// # Errors
+    ///
+    /// The home refused the fiber for good: it comes back, still `Queued`
+    /// (the caller makes it `Ready` once it is done with it).
+    ///
     /// # Safety
     /// The caller holds the state `Locked`.
-    unsafe fn finish_wake_owned(self) {
+    unsafe fn finish_wake_owned(self) -> Result<(), Fiber<T>> {
         // SAFETY: the caller holds `Locked`.
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
             Some(home) => {
                 self.header().state.store(FiberState::Queued);
-                home.schedule(self);
+                home.schedule(self)
             }
-            None => self.header().state.store(FiberState::Ready),
+            None => {
+                self.header().state.store(FiberState::Ready);
+                Ok(())
+            }
         }
     }
 
@@ -1038,13 +1067,34 @@ impl<T: Send + 'static> Fiber<T> {
         unsafe { release::<T>(h.cast()) }
     }
 
-    unsafe fn erased_finish_wake(h: NonNull<Header>) {
+    /// True if the home refused the fiber: the caller then owns the
+    /// reference again, and the state `Locked`.
+    unsafe fn erased_finish_wake(h: NonNull<Header>) -> bool {
         // SAFETY: the caller owns one reference and holds `Locked`.
         let fiber = Fiber::<T> {
             inner: h.cast(),
             _owns: PhantomData,
         };
-        unsafe { fiber.finish_wake_owned() }
+        // SAFETY: as above.
+        let Err(refused) = (unsafe { fiber.finish_wake_owned() }) else {
+            return false;
+        };
+        // Locked again, so that nothing runs the fiber or touches its
+        // stack while the waker takes back what it handed over: `Queued`
+        // alone would not do, since anyone holding a handle may call
+        // `mark_dequeued` and run it. If someone did already, the fiber is
+        // theirs and will take what it was handed: the wake stands.
+        if refused
+            .header()
+            .state
+            .transition(FiberState::Queued, FiberState::Locked)
+            .is_err()
+        {
+            return false;
+        }
+        // The reference goes back to the caller.
+        std::mem::forget(refused);
+        true
     }
 }
 

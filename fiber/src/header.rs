@@ -150,8 +150,10 @@ pub(crate) struct VTable {
     pub(crate) release: unsafe fn(NonNull<Header>),
     /// Finishes a wake the caller owns (state `Locked`), consuming one
     /// reference: stores `Queued` and schedules the fiber on its
-    /// home, or stores `Ready` if it has none.
-    pub(crate) finish_wake: unsafe fn(NonNull<Header>),
+    /// home, or stores `Ready` if it has none. True if the home refused
+    /// it: the reference is the caller's again, and so is the state,
+    /// `Locked` again.
+    pub(crate) finish_wake: unsafe fn(NonNull<Header>) -> bool,
 }
 
 /// The erased head of every fiber. `#[repr(C)]` first field of the typed

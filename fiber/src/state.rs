@@ -15,7 +15,10 @@
 //!
 //! `Locked` is a short exclusive state taken by whoever rewrites the fiber's
 //! slot (`set_function`, `mark_queued`, `set_home`) or decides where a woken
-//! fiber goes (a waker, or the runner finishing a deferred wake).
+//! fiber goes (a waker, or the runner finishing a deferred wake). A waker
+//! whose wake the home refused takes it again, `Queued` → `Locked`, and
+//! holds it while it takes back what it handed over (`RefusedWake`); it
+//! then stores `Ready`.
 //! Whoever moved the state out of `Ready`, `Sleeping`, `Empty` or `Finished`
 //! owns the fiber's slot until it stores the next state (Release); the next
 //! owner's successful CAS (Acquire) sees everything the previous one wrote.
@@ -32,7 +35,7 @@ pub enum FiberState {
     /// No function set.
     Empty = 0,
     /// Runnable: a function is set and not started, or it yielded, or it
-    /// was woken with no run queue to go to.
+    /// was woken with no run queue to go to (or one that refused it).
     Ready = 1,
     /// Sitting in a run queue.
     Queued = 2,

@@ -451,8 +451,9 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
     static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
     struct Home(Mutex<Vec<Fiber<()>>>);
     impl Schedule<()> for Home {
-        fn schedule(&self, fiber: Fiber<()>) {
+        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
             self.0.lock().unwrap().push(fiber);
+            Ok(())
         }
     }
     with_watchdog(30, "zombie_waiter", || {
@@ -811,8 +812,9 @@ fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {
         seen: Arc<Mutex<Option<FiberState>>>,
     }
     impl Schedule<()> for Recorder {
-        fn schedule(&self, fiber: Fiber<()>) {
+        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
             drop(fiber);
+            Ok(())
         }
     }
     impl Drop for Recorder {

@@ -925,3 +925,88 @@ fn an_interrupt_racing_a_stale_wake_is_never_lost() {
 fn an_interrupt_without_the_fences_can_be_lost() {
     model(|| interrupt::run_model(false, true, false));
 }
+
+/// A wake that the fiber's home refuses (DESIGN.md, "Sleep/wake protocol",
+/// waker step 4), mirrored: the real state word, the node's `done` word in
+/// a loom cell (written by whoever owns the fiber), and a second holder of
+/// the fiber that takes it out of `Queued` by hand (`mark_dequeued`, public
+/// and safe) and runs it.
+///
+/// The waker wakes the sleeping fiber, its home refuses it, and the waker
+/// takes the state again (`Queued` → `Locked`, as `erased_finish_wake`
+/// does) before it revokes the node and stores `Ready`; if the holder took
+/// the fiber first, the wake stands and the waker leaves the node alone.
+/// The holder, if it claims the fiber, reads the node as the resumed wait
+/// does. loom reports any node access the state word does not order, and
+/// the model checks that exactly one of them decides the value's fate.
+///
+/// `hold`: false revokes while the fiber is merely `Queued` (no `Locked`),
+/// which the `should_panic` variant shows is a race.
+fn refused_wake_model(hold: bool) {
+    const DONE: u8 = 1;
+    const REVOKED: u8 = 2;
+    struct Shared {
+        state: StateCell,
+        node: UnsafeCell<u8>,
+    }
+    let s = Arc::new(Shared {
+        state: StateCell::new(FiberState::Sleeping),
+        node: UnsafeCell::new(DONE),
+    });
+    let holder = {
+        let s = s.clone();
+        thread::spawn(move || {
+            // `mark_dequeued`, then `run` (the shared claim).
+            let _ = s.state.transition(FiberState::Queued, FiberState::Ready);
+            if s.state
+                .transition(FiberState::Ready, FiberState::Running)
+                .is_err()
+            {
+                return None;
+            }
+            let seen = s.node.with(|v| unsafe { *v });
+            s.state.store(FiberState::Ready);
+            Some(seen)
+        })
+    };
+    // The waker: `Waiter::try_wake` with a home that refuses.
+    assert_eq!(s.state.transition_to_woken(), WakeTransition::Owned);
+    s.state.store(FiberState::Queued); // `finish_wake_owned`, then refused
+    let revoked = if hold {
+        match s.state.transition(FiberState::Queued, FiberState::Locked) {
+            Ok(()) => {
+                s.node.with_mut(|v| unsafe { *v = REVOKED });
+                s.state.store(FiberState::Ready);
+                true
+            }
+            Err(_) => false,
+        }
+    } else {
+        s.node.with_mut(|v| unsafe { *v = REVOKED });
+        let _ = s.state.transition(FiberState::Queued, FiberState::Ready);
+        true
+    };
+    let seen = holder.join().unwrap();
+    match (revoked, seen) {
+        // The holder ran first and took what it was handed; the waker left
+        // the node alone (only without the hold could it still revoke).
+        (false, Some(v)) => assert_eq!(v, DONE),
+        (false, None) => panic!("the waker let go, so the holder must have run"),
+        // Revoked: a holder that ran afterwards sees it, and waits again.
+        (true, Some(v)) => assert_eq!(v, REVOKED, "the holder took a value that was given on"),
+        (true, None) => {}
+    }
+}
+
+#[test]
+fn a_refused_wake_is_held_while_the_waker_takes_its_value_back() {
+    model(|| refused_wake_model(true));
+}
+
+/// Without taking `Locked`, a holder's `mark_dequeued` lets the fiber run
+/// while the waker revokes: the model must find it.
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn a_refused_wake_revoked_while_only_queued_is_caught() {
+    model(|| refused_wake_model(false));
+}

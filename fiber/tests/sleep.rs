@@ -217,9 +217,10 @@ fn outside_a_fiber_there_is_no_waiter_and_sleep_panics() {
 struct Collect(Mutex<Vec<Fiber<u32>>>);
 
 impl Schedule<u32> for Collect {
-    fn schedule(&self, fiber: Fiber<u32>) {
+    fn schedule(&self, fiber: Fiber<u32>) -> Result<(), Fiber<u32>> {
         assert_eq!(fiber.state(), FiberState::Queued);
         self.0.lock().unwrap().push(fiber);
+        Ok(())
     }
 }
 
@@ -343,5 +344,75 @@ fn wakes_outside_a_sleep_are_void() {
         );
         assert_eq!(scheduled(), 0, "a wake after the return scheduled nothing");
         assert_eq!(fiber.stats().sleeps, 1);
+    });
+}
+
+/// A scheduler that has shut down: refuses every fiber. With `take_first`,
+/// it plays a holder of the fiber that took it out of `Queued` by hand
+/// before the refusal (which then stands as a wake).
+struct ShutDown {
+    take_first: bool,
+}
+
+impl Schedule<u32> for ShutDown {
+    fn schedule(&self, fiber: Fiber<u32>) -> Result<(), Fiber<u32>> {
+        if self.take_first {
+            fiber.mark_dequeued().unwrap();
+        }
+        Err(fiber)
+    }
+}
+
+/// Runs a sleeper once with `home` as its home; returns its waiter.
+fn asleep_with_home(fiber: &Fiber<u32>, home: ShutDown) -> Waiter {
+    let slot: Slot = Arc::default();
+    fiber
+        .set_function(Priority::NORMAL, sleeper(slot.clone(), 5))
+        .unwrap();
+    let home: Arc<dyn Schedule<u32>> = Arc::new(home);
+    fiber.mark_queued(Some(&home)).unwrap();
+    fiber.mark_dequeued().unwrap();
+    assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    take(&slot)
+}
+
+#[test]
+fn a_refused_wake_holds_the_fiber_until_the_refusal_is_dropped() {
+    with_watchdog(30, "refused_wake", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let waiter = asleep_with_home(&fiber, ShutDown { take_first: false });
+        let refused = waiter.try_wake().expect_err("the home refuses");
+        assert_eq!(refused.id(), fiber.id());
+        assert!(format!("{refused:?}").contains("RefusedWake"));
+        assert_eq!(fiber.state(), FiberState::Locked, "held while the refusal is");
+        assert!(matches!(fiber.run(), Err(FiberError::Running(_))));
+        assert!(fiber.mark_dequeued().is_err(), "nobody can take it meanwhile");
+        drop(refused);
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
+    });
+}
+
+#[test]
+fn a_refused_wake_taken_out_of_the_queue_first_stands() {
+    with_watchdog(30, "refused_wake_taken_first", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let waiter = asleep_with_home(&fiber, ShutDown { take_first: true });
+        assert!(
+            waiter.try_wake().is_ok(),
+            "the fiber is someone's to run: the wake stands"
+        );
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
+    });
+}
+
+#[test]
+fn a_plain_wake_that_is_refused_leaves_the_fiber_ready() {
+    with_watchdog(30, "refused_plain_wake", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        asleep_with_home(&fiber, ShutDown { take_first: false }).wake();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
     });
 }

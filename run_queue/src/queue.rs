@@ -175,7 +175,7 @@ impl<T> Synced<T> {
 struct Shared<T> {
     /// `RunQueue` handles alive. Fibers point back here (their home), so
     /// the queue's memory outlives the handles; when the last handle goes,
-    /// queued fibers are released and later wakes leave fibers `Ready`.
+    /// queued fibers are released and later wakes are refused.
     handles: AtomicUsize,
     capacity: usize,
     synced: Mutex<Synced<T>>,
@@ -601,19 +601,20 @@ impl<T> Shared<T> {
 }
 
 impl<T: Send + 'static> Schedule<T> for Shared<T> {
-    /// A woken fiber comes back. Wakes are never refused: the capacity
+    /// A woken fiber comes back. Wakes are not refused for capacity: that
     /// bounds `try_push`, and a fiber that slept was counted there before.
-    fn schedule(&self, fiber: Fiber<T>) {
+    /// Once every handle is gone, nobody pops this queue again: the wake
+    /// is refused (the fiber ends up `Ready`, and a `spindle-sync` waker
+    /// hands its token or message to the next waiter instead).
+    fn schedule(&self, fiber: Fiber<T>) -> Result<(), Fiber<T>> {
         let mut synced = self.synced.lock();
-        synced.stats.wakes += 1;
         if self.handles.load(Ordering::Acquire) == 0 {
-            // The queue is gone: leave the fiber runnable for whoever
-            // still holds it.
             drop(synced);
-            let _ = fiber.mark_dequeued();
-            return;
+            return Err(fiber);
         }
+        synced.stats.wakes += 1;
         self.insert(synced, fiber);
+        Ok(())
     }
 }
 

@@ -185,7 +185,10 @@ impl Synced {
 /// other reference and no run queue is dropped inside `push`, and its
 /// destructors run there. `pop` waits (a fiber sleeps, a thread parks)
 /// until a message arrives. A message pushed while receivers
-/// wait is handed straight to the one that waited longest.
+/// wait is handed straight to the one that waited longest; if that
+/// receiver's run queue or executor refuses its wake (gone or shut down),
+/// `push` takes the message back and hands it to the next receiver, or
+/// queues it.
 ///
 /// The caller owns every message: here, a header with its payload in one
 /// heap block, pushed as a raw pointer and taken back from the pointer
@@ -278,7 +281,7 @@ impl RawChannel {
             #[cfg(test)]
             tests::after_handoff();
             drop(synced);
-            wakeup.wake();
+            wakeup.deliver(&self.synced, Synced::give_back);
             return;
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -322,8 +325,14 @@ impl RawChannel {
         if let Some(m) = synced.pop_message() {
             return Ok(m);
         }
-        let handed =
-            wait::<_, INTERRUPTIBLE>(synced, |s| &mut s.receivers, Synced::give_back, None, &WAIT_REASON)?;
+        let handed = wait::<_, INTERRUPTIBLE>(
+            synced,
+            |s| &mut s.receivers,
+            Synced::give_back,
+            |s| s.pop_message().map(|m| m.as_ptr().cast()),
+            None,
+            &WAIT_REASON,
+        )?;
         let handed = NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message");
         // SAFETY: the pusher handed this header to us; it is ours now.
         unsafe { handed.as_ref().next.store(NOT_QUEUED, Ordering::Relaxed) };

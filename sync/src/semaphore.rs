@@ -6,7 +6,7 @@ use std::ptr;
 use parking_lot::Mutex;
 use spindle_fiber::{Priority, WaitReason};
 
-use crate::wait::{wait, Interrupted, WaitList};
+use crate::wait::{wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
@@ -18,6 +18,31 @@ struct Synced {
     /// `release` hands them to those waiters first.
     tokens: usize,
     waiters: WaitList,
+}
+
+impl Synced {
+    /// Takes an available token.
+    fn try_take(&mut self) -> bool {
+        if self.tokens > 0 {
+            self.tokens -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A token handed to a waiter that will not take it (a fiber dropped
+    /// before it ran again, or whose scheduler refused its wake): to the
+    /// next waiter, or back to the count.
+    fn give_back(&mut self, _: *mut ()) -> Option<Wakeup> {
+        self.waiters.pop_front(ptr::null_mut()).or_else(|| {
+            // Saturating: this runs in an unwind, where an overflow
+            // panic would abort, and a count at `usize::MAX` has
+            // no token to spare anyway.
+            self.tokens = self.tokens.saturating_add(1);
+            None
+        })
+    }
 }
 
 /// A counting semaphore whose waiters are fibers (which sleep and are
@@ -38,11 +63,15 @@ struct Synced {
 /// release. Its `acquire_interruptible` does not wait: it takes a token if
 /// there is one, else returns `Interrupted` at once.
 ///
-/// A token handed to a sleeping fiber is its own from then on: if the
-/// fiber is dropped before it runs again, the unwind gives the token back
-/// (to the next waiter, or to the count); if its stack cannot be unwound
-/// (a pinned fiber whose last handle is dropped on another thread: the
-/// stack is leaked, see `spindle_fiber`), the token is lost with it.
+/// A token handed to a sleeping fiber is its own from then on, unless its
+/// run queue or executor refuses the wake (it is gone or shut down, so the
+/// fiber would never run): then `release` takes the token back and gives
+/// it to the next waiter, or to the count; the fiber, if it ever runs
+/// again, waits again. If the fiber is dropped before it runs again, the
+/// unwind gives the token back the same way; if its stack cannot be
+/// unwound (a pinned fiber whose last handle is dropped on another thread
+/// after it was queued: the stack is leaked, see `spindle_fiber`), the
+/// token is lost with it.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -160,8 +189,7 @@ impl Semaphore {
         reason: &'static WaitReason,
     ) -> Result<(), Interrupted> {
         let mut synced = self.synced.lock();
-        if synced.tokens > 0 {
-            synced.tokens -= 1;
+        if synced.try_take() {
             return Ok(());
         }
         // The waker hands the token over directly (it never reaches
@@ -169,17 +197,8 @@ impl Semaphore {
         wait::<_, INTERRUPTIBLE>(
             synced,
             |s| &mut s.waiters,
-            // A token handed to a fiber that was dropped before it ran
-            // again: to the next waiter, or back to the count.
-            |s, _| {
-                s.waiters.pop_front(ptr::null_mut()).or_else(|| {
-                    // Saturating: this runs in an unwind, where an overflow
-                    // panic would abort, and a count at `usize::MAX` has
-                    // no token to spare anyway.
-                    s.tokens = s.tokens.saturating_add(1);
-                    None
-                })
-            },
+            Synced::give_back,
+            |s| s.try_take().then_some(ptr::null_mut()),
             priority,
             reason,
         )
@@ -189,13 +208,7 @@ impl Semaphore {
     /// Takes a token if one is available now.
     #[must_use = "try_acquire may fail; check whether a token was taken"]
     pub fn try_acquire(&self) -> bool {
-        let mut synced = self.synced.lock();
-        if synced.tokens > 0 {
-            synced.tokens -= 1;
-            true
-        } else {
-            false
-        }
+        self.synced.lock().try_take()
     }
 
     /// Adds `n` tokens, handing them to waiters first, in FIFO order.
@@ -233,9 +246,10 @@ impl Semaphore {
                         rest.left = rest.left.saturating_add(std::mem::take(&mut synced.tokens));
                     }
                     drop(synced);
-                    // Handed to that waiter, whatever its wake does.
+                    // Handed to that waiter, whatever its wake does (a
+                    // refused one gives it on: `Synced::give_back`).
                     rest.left -= 1;
-                    wakeup.wake();
+                    wakeup.deliver(&self.synced, Synced::give_back);
                 }
                 None => {
                     let left = std::mem::take(&mut rest.left);

@@ -42,17 +42,24 @@ use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomPinned;
 use std::pin::pin;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::thread::Thread;
 
 use parking_lot::{Mutex, MutexGuard};
-use spindle_fiber::{Priority, WaitReason, Waiter};
+use spindle_fiber::{Priority, RefusedWake, WaitReason, Waiter};
 
 /// Who sleeps on a node.
 enum Sleeper {
     Fiber(Waiter),
     Thread(Thread),
 }
+
+/// [`WaitNode::done`]: on the list, waiting.
+const LINKED: u8 = 0;
+/// [`WaitNode::done`]: unlinked and handed its value.
+const DONE: u8 = 1;
+/// [`WaitNode::done`]: unlinked, its value taken back (a refused wake).
+const REVOKED: u8 = 2;
 
 /// A waiting fiber or thread, linked into a [`WaitList`].
 pub(crate) struct WaitNode {
@@ -65,8 +72,12 @@ pub(crate) struct WaitNode {
     /// A pointer, not an address: a channel hands over a message and its
     /// provenance (a semaphore hands null).
     value: Cell<*mut ()>,
-    /// Set by the waker (Release) as its last touch of the node.
-    done: AtomicBool,
+    /// [`LINKED`] while on the list; [`DONE`] once a waker unlinked it and
+    /// handed it `value` (stored with Release as the waker's last touch of
+    /// the node); [`REVOKED`] if that waker then took the value back
+    /// because the fiber's scheduler refused the wake (under the lock,
+    /// while the refusal keeps the fiber from running).
+    done: AtomicU8,
     /// Priority to wake a fiber at, if the sleeper asked for one.
     wake_priority: Option<Priority>,
     _pinned: PhantomPinned,
@@ -90,7 +101,7 @@ impl WaitNode {
             prev: Cell::new(ptr::null()),
             sleeper: UnsafeCell::new(Some(sleeper)),
             value: Cell::new(ptr::null_mut()),
-            done: AtomicBool::new(false),
+            done: AtomicU8::new(LINKED),
             wake_priority,
             _pinned: PhantomPinned,
         }
@@ -185,24 +196,67 @@ impl WaitList {
         }
         node.value.set(value);
         // Last touch: after this store a thread sleeper may return and free
-        // the node. Release pairs with its Acquire load.
-        node.done.store(true, Ordering::Release);
-        Some(Wakeup(sleeper))
+        // the node (a fiber sleeper, only once it runs: see `Wakeup`).
+        // Release pairs with its Acquire load.
+        node.done.store(DONE, Ordering::Release);
+        Some(Wakeup { sleeper, node })
     }
 }
 
 /// A wakeup to deliver after the primitive's lock is released (waker step 3).
 #[must_use = "a popped waiter sleeps forever unless woken"]
-pub(crate) struct Wakeup(Sleeper);
+pub(crate) struct Wakeup {
+    sleeper: Sleeper,
+    /// The unlinked node. Only touched again for a fiber whose scheduler
+    /// refused the wake: the refusal holds the fiber (`Locked`), so it
+    /// cannot run (and its stack, holding the node, cannot go away) until
+    /// the refusal is dropped.
+    node: *const WaitNode,
+}
 
 impl Wakeup {
-    pub(crate) fn wake(self) {
-        match self.0 {
-            Sleeper::Fiber(w) => w.wake(),
-            Sleeper::Thread(t) => t.unpark(),
+    /// Waker step 3: wakes the sleeper. If a fiber's scheduler refuses it
+    /// for good (it has shut down: nothing will run the fiber from there),
+    /// the value handed to it is taken back under the primitive's lock
+    /// (the node is marked [`REVOKED`]) and given to `give_back`, which
+    /// hands it to the next waiter (woken the same way, and so on) or
+    /// keeps it. The fiber is then left `Ready`; if it ever runs, its
+    /// wait finds the node revoked and waits again.
+    pub(crate) fn deliver<S>(self, mutex: &Mutex<S>, give_back: GiveBack<S>) {
+        let mut wakeup = self;
+        loop {
+            let refused: RefusedWake = match wakeup.sleeper {
+                Sleeper::Thread(t) => return t.unpark(),
+                Sleeper::Fiber(w) => match w.try_wake() {
+                    Ok(()) => return,
+                    Err(refused) => refused,
+                },
+            };
+            let mut locked = mutex.lock();
+            // SAFETY: the refusal keeps the fiber from running or being
+            // unwound, so its suspended stack, and the node on it, are
+            // intact; the lock orders this with the fiber's own look at
+            // the node when it runs again.
+            let node = unsafe { &*wakeup.node };
+            debug_assert_eq!(node.done.load(Ordering::Relaxed), DONE);
+            node.done.store(REVOKED, Ordering::Relaxed);
+            let next = give_back(&mut locked, node.value.replace(ptr::null_mut()));
+            drop(locked);
+            // The fiber becomes `Ready`, in no queue (and is released, if
+            // this was its last reference).
+            drop(refused);
+            match next {
+                Some(next) => wakeup = next,
+                None => return,
+            }
         }
     }
 }
+
+/// Returns a value handed to a sleeper that will not take it (it unwound,
+/// or its wake was refused) to the primitive's locked state: to the next
+/// waiter (the wakeup to deliver once the lock is released), or kept.
+pub(crate) type GiveBack<S> = fn(&mut S, *mut ()) -> Option<Wakeup>;
 
 /// Guards a waiting frame against unwinding while its node is linked, and
 /// against losing what a waker handed over.
@@ -222,25 +276,27 @@ impl Wakeup {
 /// starts from a linked node's sleep. Should one ever (a bug), unwinding past `wait` would free a node
 /// that is still on the list, so the process aborts instead, as Rust does
 /// for a panic during a panic.
-struct Linked<'a, S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> {
+struct Linked<'a, S> {
     node: &'a WaitNode,
     mutex: &'a Mutex<S>,
-    give_back: Option<G>,
+    give_back: GiveBack<S>,
 }
 
-impl<S, G: FnOnce(&mut S, *mut ()) -> Option<Wakeup>> Drop for Linked<'_, S, G> {
+impl<S> Drop for Linked<'_, S> {
     fn drop(&mut self) {
-        if !self.node.done.load(Ordering::Acquire) {
+        let done = self.node.done.load(Ordering::Acquire);
+        if done == LINKED {
             warn!(
                 "spindle-sync: a fiber was unwound while waiting on a primitive; its wait node is \
                  still linked, aborting (this is a bug in spindle: please report it)"
             );
             std::process::abort();
         }
-        if let Some(give_back) = self.give_back.take() {
-            let wakeup = give_back(&mut self.mutex.lock(), self.node.value.get());
+        // A revoked node's value went to someone else already.
+        if done == DONE {
+            let wakeup = (self.give_back)(&mut self.mutex.lock(), self.node.value.get());
             if let Some(w) = wakeup {
-                w.wake();
+                w.deliver(self.mutex, self.give_back);
             }
         }
     }
@@ -277,7 +333,11 @@ fn dropped_fiber() -> bool {
 /// a waker hands it a value, and returns that value. If the sleeper unwinds
 /// after the value was handed over (its fiber dropped before it ran again),
 /// `give_back` returns the value to the locked state, and may hand it to
-/// another waiter (woken once the lock is released).
+/// another waiter (woken once the lock is released); so does the waker if
+/// the fiber's scheduler refuses its wake (`Wakeup::deliver`). A fiber
+/// whose value was taken back that way and that runs anyway starts over:
+/// `take_now` (under the lock) takes what is there now, else it waits
+/// again.
 ///
 /// `INTERRUPTIBLE`: a fiber with an interrupt pending (taken before it
 /// links its node, or when it wakes without a value) unlinks its node and
@@ -290,7 +350,8 @@ fn dropped_fiber() -> bool {
 pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
     mut guard: MutexGuard<'_, S>,
     list: impl Fn(&mut S) -> &mut WaitList,
-    give_back: impl FnOnce(&mut S, *mut ()) -> Option<Wakeup>,
+    give_back: GiveBack<S>,
+    take_now: impl Fn(&mut S) -> Option<*mut ()>,
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
 ) -> Result<*mut (), Interrupted> {
@@ -308,7 +369,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
     // return before the node is unlinked (we wait for `done` below), nor
     // unwind while it is linked (`Linked` aborts first).
     unsafe { list(&mut guard).push_back(&node) };
-    let linked = Linked { node: &node, mutex, give_back: Some(give_back) };
+    let linked = Linked { node: &node, mutex, give_back };
     drop(guard);
     if is_fiber {
         // The node's own waiter is only woken after `done` is set. Any other
@@ -322,26 +383,46 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         // look at the state could each miss the other's write.)
         loop {
             spindle_fiber::sleep_on(reason);
-            if node.done.load(Ordering::Acquire) {
+            if node.done.load(Ordering::Acquire) == DONE {
                 break;
             }
             let mut locked = mutex.lock();
-            if node.done.load(Ordering::Acquire) {
+            let done = node.done.load(Ordering::Acquire);
+            if done == DONE {
                 break;
             }
-            // Still linked, and no waker can reach the node while we hold
-            // the lock: an interrupt takes it off the list (the node's
-            // waiter is dropped with the node).
+            // Linked (or revoked: unlinked), and no waker can reach the
+            // node while we hold the lock: an interrupt takes it off the
+            // list (the node's waiter is dropped with the node).
             if INTERRUPTIBLE && spindle_fiber::take_interrupt() {
-                // SAFETY: the node is linked on this list (not `done`).
-                unsafe { list(&mut locked).remove(&node) };
+                if done == LINKED {
+                    // SAFETY: the node is linked on this list.
+                    unsafe { list(&mut locked).remove(&node) };
+                }
                 drop(locked);
                 std::mem::forget(linked);
                 return Err(Interrupted);
             }
+            if done == REVOKED {
+                // A waker handed us a value, our scheduler refused the
+                // wake, and the waker gave the value to someone else.
+                // Something ran us anyway: start over (what is there now
+                // is ours, else wait again, at the tail).
+                if let Some(value) = take_now(&mut locked) {
+                    drop(locked);
+                    std::mem::forget(linked);
+                    return Ok(value);
+                }
+                let me = Waiter::current().expect("a fiber that slept has a waiter");
+                // SAFETY: unlinked, so only we can see the node.
+                unsafe { *node.sleeper.get() = Some(Sleeper::Fiber(me)) };
+                node.done.store(LINKED, Ordering::Relaxed);
+                // SAFETY: as at the first link.
+                unsafe { list(&mut locked).push_back(&node) };
+            }
         }
     } else {
-        while !node.done.load(Ordering::Acquire) {
+        while node.done.load(Ordering::Acquire) != DONE {
             std::thread::park();
         }
     }

@@ -676,8 +676,9 @@ fn a_home_replaced_by_a_push_is_dropped_outside_the_queue_lock() {
         len_seen_on_drop: Arc<Mutex<Option<usize>>>,
     }
     impl Schedule<()> for Elsewhere {
-        fn schedule(&self, fiber: Fiber<()>) {
+        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
             drop(fiber);
+            Ok(())
         }
     }
     impl Drop for Elsewhere {
@@ -729,8 +730,9 @@ fn mark_queued_and_set_home_hand_back_the_home_they_replace() {
 
     struct NoopHome;
     impl Schedule<()> for NoopHome {
-        fn schedule(&self, fiber: Fiber<()>) {
+        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
             drop(fiber);
+            Ok(())
         }
     }
 }

@@ -1,0 +1,141 @@
+//! Wakes that a fiber's scheduler refuses for good (its run queue is gone,
+//! its executor shut down): what the waker handed over (a token, a message)
+//! is taken back and goes to the next waiter or back to the primitive, so
+//! nothing is lost and waiters queued behind such a fiber are not starved.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{fiber, spin_until, watchdog};
+use spindle_fiber::{Fiber, FiberState, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::{Channel, Msg, Semaphore};
+
+/// Runs `f` once from a run queue of its own (its home from then on), checks
+/// that it went to sleep, and drops the queue: a wake then finds the queue
+/// gone and is refused.
+fn asleep_with_its_queue_gone<T: Send + std::fmt::Debug + 'static>(f: &Fiber<T>) {
+    let queue = RunQueue::new(1);
+    queue.try_push(f.clone()).unwrap();
+    let ran = queue.run_next().expect("the fiber was queued");
+    assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+    drop(ran);
+    drop(queue);
+    assert_eq!(f.state(), FiberState::Sleeping);
+}
+
+#[test]
+fn a_token_handed_to_a_fiber_whose_queue_is_gone_goes_to_the_next_waiter() {
+    watchdog("a_token_handed_to_a_fiber_whose_queue_is_gone_goes_to_the_next_waiter", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || s.acquire());
+        asleep_with_its_queue_gone(&orphan);
+
+        let live = RunQueue::new(1);
+        let s = sem.clone();
+        live.try_push(fiber(Priority::NORMAL, move || s.acquire())).unwrap();
+        assert!(matches!(live.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        assert_eq!(sem.waiters(), 2, "the orphan waits first, the live fiber behind it");
+
+        stage.set("releasing one token: the orphan's wake is refused");
+        sem.release(1);
+        assert_eq!(orphan.state(), FiberState::Ready, "a refused fiber is left Ready, in no queue");
+        assert_eq!(live.len(), 1, "the token went on to the live fiber, which was woken");
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        assert!(matches!(live.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+
+        stage.set("running the orphan by hand: it waits again");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        assert_eq!(sem.waiters(), 1, "back on the list, having taken nothing");
+        sem.release(1);
+        assert_eq!(
+            (sem.available(), sem.waiters()),
+            (1, 0),
+            "refused again (its queue is still gone): the token stays in the count"
+        );
+        stage.set("running the orphan again: it takes the token in the count");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(()))));
+        assert_eq!(sem.available(), 0);
+    });
+}
+
+#[test]
+fn a_thread_waiting_behind_a_refused_fiber_gets_the_token() {
+    watchdog("a_thread_waiting_behind_a_refused_fiber_gets_the_token", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || s.acquire());
+        asleep_with_its_queue_gone(&orphan);
+
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire());
+        stage.set("waiting for the thread to wait behind the orphan");
+        spin_until(|| sem.waiters() == 2);
+        stage.set("releasing one token: the thread behind the refused orphan must get it");
+        sem.release(1);
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        assert_eq!(orphan.state(), FiberState::Ready);
+    });
+}
+
+#[test]
+fn a_message_handed_to_a_refused_receiver_goes_to_the_next_one_or_back_to_the_channel() {
+    watchdog(
+        "a_message_handed_to_a_refused_receiver_goes_to_the_next_one_or_back_to_the_channel",
+        30,
+        |stage| {
+            let chan = Arc::new(Channel::<u32>::new());
+            let c = chan.clone();
+            let orphan = fiber(Priority::NORMAL, move || c.pop().into_inner());
+            asleep_with_its_queue_gone(&orphan);
+
+            stage.set("pushing with only the refused receiver waiting");
+            chan.push(Msg::new(7));
+            assert_eq!((chan.len(), chan.receivers()), (1, 0), "the message went back to the channel");
+            assert_eq!(chan.try_pop().map(Msg::into_inner), Some(7));
+
+            stage.set("running the orphan: it waits again");
+            assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+            let c = chan.clone();
+            let thread = std::thread::spawn(move || c.pop().into_inner());
+            spin_until(|| chan.receivers() == 2);
+            stage.set("pushing with a thread waiting behind the refused receiver");
+            chan.push(Msg::new(8));
+            assert_eq!(thread.join().unwrap(), 8, "the thread behind the refused receiver got it");
+            assert!(chan.is_empty());
+        },
+    );
+}
+
+/// The refusal was the fiber's last reference: it is unwound on this
+/// thread (its own), from inside the wait whose value was taken back. Its
+/// destructors run and the token is counted once, not given back twice.
+#[test]
+fn a_refused_fiber_unwound_by_the_waker_gives_nothing_back_twice() {
+    watchdog("a_refused_fiber_unwound_by_the_waker_gives_nothing_back_twice", 30, |stage| {
+        struct Bump(Arc<AtomicUsize>);
+        impl Drop for Bump {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let sem = Arc::new(Semaphore::new(0));
+        let (s, d) = (sem.clone(), dropped.clone());
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _bump = Bump(d);
+            s.acquire();
+        });
+        asleep_with_its_queue_gone(&orphan);
+        drop(orphan); // the wait list holds the last reference now
+
+        stage.set("releasing one token to the refused fiber, which is then dropped here");
+        sem.release(1);
+        assert_eq!(dropped.load(Ordering::SeqCst), 1, "the fiber was unwound here");
+        assert_eq!((sem.available(), sem.waiters()), (1, 0), "the token counted once");
+    });
+}
