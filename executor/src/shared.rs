@@ -46,7 +46,7 @@ use crossbeam_deque::{Injector, Steal, Stealer, Worker};
 use crossbeam_utils::sync::{Parker, Unparker};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
-use spindle_fiber::{Fiber, FiberId, FiberIdHasher, Priority, Schedule};
+use spindle_fiber::{Fiber, FiberId, FiberIdHasher, Priority, Schedule, Woken};
 
 use crate::config::Config;
 use crate::task::TaskRef;
@@ -191,7 +191,7 @@ pub(crate) struct Inbox {
     pub(crate) parked: CachePadded<AtomicBool>,
     pub(crate) unparker: Unparker,
     pub(crate) handoffs: AtomicU64,
-    /// Tasks completed (cancelled) by `worker::orphaned` for fibers woken
+    /// Tasks completed (cancelled) by `worker::cancel_orphan` for fibers woken
     /// after the inbox closed; counted in the stats as completed.
     pub(crate) orphans: AtomicU64,
 }
@@ -212,17 +212,17 @@ impl Inbox {
 
 impl Schedule<()> for Inbox {
     /// The seam: a woken fiber goes back to the inbox of its worker.
-    fn schedule(&self, fiber: Task) -> Result<(), Task> {
-        let class = class_of(fiber.priority());
+    fn schedule(&self, woken: Woken<()>) -> Result<(), Woken<()>> {
+        let class = class_of(woken.fiber().priority());
         let mut queues = self.queues.lock();
         if queues.closed {
             drop(queues);
             // No thread will run it again: refused, so that a waker takes
             // back what it handed over; its join fails as cancelled.
-            crate::worker::cancel_orphan(&fiber, &self.orphans);
-            return Err(fiber);
+            crate::worker::cancel_orphan(woken.fiber(), &self.orphans);
+            return Err(woken);
         }
-        queues.q[class].push_back(fiber);
+        queues.q[class].push_back(woken.into_queued());
         // Counted under the lock, so a drain never subtracts a fiber that is
         // not counted yet.
         self.len.fetch_add(1, Ordering::SeqCst);

@@ -325,7 +325,7 @@ impl Worker {
         me.hot.panicking_at_resume.store(panicking_at_resume, Ordering::Relaxed);
         // SAFETY (both uses below): the sched word holds a counted
         // reference to the task until `take_task`, which runs after this
-        // (in `finish`, `drain` or `orphaned`), never during the run.
+        // (in `finish`, `drain` or `cancel_orphan`), never during the run.
         let task = |raw: usize| unsafe { TaskRef::borrow_raw(raw) };
         let raw = fiber.sched_data();
         if !panicking_at_resume && raw != 0 && task(raw).unwinding.load(Ordering::Relaxed) {
@@ -641,7 +641,7 @@ impl Worker {
     fn drain(&mut self, parker: &Parker) {
         // Completing a task wakes its joiners, into this inbox or another
         // worker's: drain until every worker has nothing left, then close
-        // every inbox at once (a later wake finds it closed: `orphaned`). A
+        // every inbox at once (a later wake finds it closed: `cancel_orphan`). A
         // worker that closed its own inbox as soon as it was empty left a
         // joiner that another worker's drain woke later with no thread to
         // unwind it on: its stack leaked and its destructors never ran.

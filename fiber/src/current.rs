@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
+use crate::state::{FiberState, WakeTransition};
 use crate::tls;
 use crate::Priority;
 
@@ -472,15 +473,20 @@ impl Waiter {
     ///
     /// # Errors
     ///
-    /// [`RefusedWake`] if the scheduler refused the fiber. Until that is
-    /// dropped the fiber is held as a wake holds it (its state reads
-    /// `Locked`): no thread can run it or unwind its stack, so a waker
-    /// that handed it something (a token, a message) can take it back and
-    /// hand it to someone else. Dropping it leaves the fiber `Ready`, in
-    /// no queue; run again, it finds nothing handed over and should wait
-    /// again, which `spindle-sync`'s waits do. (If a holder of the fiber
-    /// took it out of `Queued` by hand before the refusal could hold it,
-    /// the fiber is theirs to run, and this returns `Ok`.)
+    /// [`RefusedWake`] if the scheduler refused the fiber. The fiber has
+    /// been held since this wake took it out of its sleep, and stays held
+    /// until that is dropped (its state reads `Locked`): no thread has run
+    /// it or can, or unwind its stack, so a waker that handed it something
+    /// (a token, a message) can take it back and hand it to someone else.
+    /// Dropping it leaves the fiber `Ready`, in no queue; run again, it
+    /// finds nothing handed over and should wait again, which
+    /// `spindle-sync`'s waits do.
+    ///
+    /// Only a wake that takes the fiber out of its sleep can be refused. A
+    /// wake that finds it already woken is void and returns `Ok`: in
+    /// particular, once an earlier wake that handed nothing over (a stale
+    /// `Waiter`, an interrupt of a plain wait) was refused, the fiber is
+    /// `Ready` in no queue, and a later waker's value stays with it.
     pub fn try_wake(self) -> Result<(), RefusedWake> {
         let h = self.header;
         std::mem::forget(self);
@@ -488,14 +494,12 @@ impl Waiter {
         // on a refusal).
         unsafe {
             match h.as_ref().state.transition_to_woken() {
-                crate::state::WakeTransition::Owned => {
+                WakeTransition::Owned => {
                     if (h.as_ref().vtable.finish_wake)(h) {
                         return Err(RefusedWake { header: h });
                     }
                 }
-                crate::state::WakeTransition::Deferred | crate::state::WakeTransition::Void => {
-                    (h.as_ref().vtable.release)(h)
-                }
+                WakeTransition::Deferred | WakeTransition::Void => (h.as_ref().vtable.release)(h),
             }
         }
         Ok(())
@@ -529,7 +533,7 @@ impl Drop for RefusedWake {
     fn drop(&mut self) {
         // SAFETY: we own a reference and hold the state `Locked`.
         unsafe {
-            self.header.as_ref().state.store(crate::state::FiberState::Ready);
+            self.header.as_ref().state.store(FiberState::Ready);
             (self.header.as_ref().vtable.release)(self.header)
         }
     }

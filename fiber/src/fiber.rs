@@ -226,50 +226,110 @@ impl<T> RunOutcome<T> {
 /// and wakes call it from any thread, long after whoever queued them:
 ///
 /// ```compile_fail,E0277
-/// use spindle_fiber::{Fiber, Schedule};
+/// use spindle_fiber::{Schedule, Woken};
 ///
 /// struct NotSync(std::cell::Cell<u8>);
 /// impl Schedule<()> for NotSync {
-///     fn schedule(&self, _fiber: Fiber<()>) -> Result<(), Fiber<()>> { Ok(()) }
+///     fn schedule(&self, _fiber: Woken<()>) -> Result<(), Woken<()>> { Ok(()) }
 /// }
 /// ```
 ///
 /// ```compile_fail,E0477
-/// use spindle_fiber::{Fiber, Schedule};
+/// use spindle_fiber::{Schedule, Woken};
 ///
 /// struct Borrowing<'a>(&'a u8);
 /// impl<'a> Schedule<()> for Borrowing<'a> {
-///     fn schedule(&self, _fiber: Fiber<()>) -> Result<(), Fiber<()>> { Ok(()) }
+///     fn schedule(&self, _fiber: Woken<()>) -> Result<(), Woken<()>> { Ok(()) }
 /// }
 /// ```
 pub trait Schedule<T>: Send + Sync + 'static {
-    /// Takes a woken fiber, already in state [`FiberState::Queued`], and
-    /// makes it runnable. Called from whatever thread woke the fiber: must
+    /// Takes a woken fiber and makes it runnable: the scheduler queues it
+    /// with [`Woken::into_queued`] (which makes it `Queued`; do it under
+    /// the lock of the queue it goes into, or before it becomes visible to
+    /// whoever pops it). Called from whatever thread woke the fiber: must
     /// not block for long, must not panic (the waker, often a `release` or
-    /// `push`, is not prepared for it, and the fiber would stay `Queued` in
-    /// no queue), and must not drop the fiber on the floor.
+    /// `push`, is not prepared for it), and must not drop the fiber on the
+    /// floor (a dropped `Woken` leaves the fiber `Ready` in no queue).
     ///
     /// A scheduler that cannot take it, ever again (it has shut down),
-    /// refuses: it returns the fiber, untouched and still `Queued`. The
-    /// wake is then refused ([`Waiter::try_wake`] says so, with the fiber
-    /// held `Locked` so that nobody runs it while the waker takes back
-    /// what it handed over; `spindle-sync` gives a refused sleeper's token
-    /// or message to the next waiter), and the fiber ends up `Ready` with
-    /// no queue. Refuse only for good: a waker may hand its value to
-    /// someone else, and the fiber, when it runs again, waits again.
+    /// refuses: it returns the `Woken`. The fiber has been held since the
+    /// wake took it (its state reads `Locked`), so no one has run it or
+    /// can: [`Waiter::try_wake`] hands the refusal to the waker, which
+    /// can take back what it handed over (`spindle-sync` gives a refused
+    /// sleeper's token or message to the next waiter); the fiber then ends
+    /// up `Ready` with no queue. Refuse only for good: the fiber, when it
+    /// runs again, finds nothing handed over and waits again.
     ///
     /// It may be called from inside [`Fiber::run`], on the runner's thread
     /// (a wake that came while the fiber was switching out to sleep is
     /// finished there): queue the fiber, do not run it inline, or `run`
     /// reports [`RunOutcome::Slept`] for a fiber that has run on since. A
-    /// refusal there leaves the fiber `Ready` (its waker has moved on).
+    /// refusal there leaves the fiber `Ready`, with what it was handed
+    /// (its waker has moved on).
     ///
     /// [`Waiter::try_wake`]: crate::Waiter::try_wake
     ///
     /// # Errors
     ///
-    /// The fiber, untouched, if this scheduler refuses it for good.
-    fn schedule(&self, fiber: Fiber<T>) -> Result<(), Fiber<T>>;
+    /// The `Woken`, untouched, if this scheduler refuses the fiber for
+    /// good.
+    fn schedule(&self, fiber: Woken<T>) -> Result<(), Woken<T>>;
+}
+
+/// A woken fiber on its way to its scheduler ([`Schedule::schedule`]).
+///
+/// The wake holds the fiber exclusively (its state reads `Locked`): nothing
+/// can run it, queue it or take it out of a queue until the scheduler
+/// queues it ([`into_queued`](Woken::into_queued)) or the wake is refused
+/// and let go. Dropping it leaves the fiber `Ready`, in no queue.
+pub struct Woken<T> {
+    fiber: ManuallyDrop<Fiber<T>>,
+}
+
+impl<T> Woken<T> {
+    /// The fiber (its id, priority, scheduler word). Everything that
+    /// would claim it (`run`, `mark_dequeued`, `set_function`, ...) fails
+    /// while the wake holds it.
+    pub fn fiber(&self) -> &Fiber<T> {
+        &self.fiber
+    }
+
+    /// Makes the fiber `Queued` and hands it to the scheduler for its
+    /// queue, whose poppers take it out with
+    /// [`Fiber::mark_dequeued`].
+    pub fn into_queued(self) -> Fiber<T> {
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: taken once; `me` is not dropped.
+        let fiber = unsafe { ManuallyDrop::take(&mut me.fiber) };
+        fiber.header().state.store(FiberState::Queued);
+        fiber
+    }
+
+    /// Gives up the hold without letting go of the reference: the caller
+    /// holds the state `Locked` from here on.
+    fn into_held(self) -> Fiber<T> {
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: taken once; `me` is not dropped.
+        unsafe { ManuallyDrop::take(&mut me.fiber) }
+    }
+}
+
+impl<T> Drop for Woken<T> {
+    fn drop(&mut self) {
+        self.fiber.header().state.store(FiberState::Ready);
+        // SAFETY: dropped once, here.
+        unsafe { ManuallyDrop::drop(&mut self.fiber) };
+    }
+}
+
+impl<T> fmt::Debug for Woken<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = self.fiber.header();
+        f.debug_struct("Woken")
+            .field("fiber", &h.id)
+            .field("name", &h.name)
+            .finish()
+    }
 }
 
 /// The typed slot, owned exclusively by whoever holds the fiber's state.
@@ -930,13 +990,11 @@ impl<T: Send + 'static> Fiber<T> {
             // switch: finish the wake for it (sleeper step 4).
             // SAFETY: we hold the state `Locked`.
             SleepTransition::AlreadyWoken => {
-                // SAFETY: as above.
-                if let Err(refused) = unsafe { self.clone().finish_wake_owned() } {
-                    // Refused for good: its waker has moved on, so nobody
-                    // takes anything back; the fiber is left `Ready` (run
-                    // again, it finds what it was handed).
-                    let _ = refused.mark_dequeued();
-                }
+                // SAFETY: as above. Refused for good: its waker has moved
+                // on, so nobody takes anything back; dropping the `Woken`
+                // leaves the fiber `Ready` (run again, it finds what it
+                // was handed).
+                let _ = unsafe { self.clone().finish_wake_owned() };
             }
         }
         true
@@ -1036,19 +1094,18 @@ impl<T: Send + 'static> Fiber<T> {
     ///
     /// # Errors
     ///
-    /// The home refused the fiber for good: it comes back, still `Queued`
-    /// (the caller makes it `Ready` once it is done with it).
+    /// The home refused the fiber for good: it comes back, still held
+    /// (`Locked`).
     ///
     /// # Safety
     /// The caller holds the state `Locked`.
-    unsafe fn finish_wake_owned(self) -> Result<(), Fiber<T>> {
+    unsafe fn finish_wake_owned(self) -> Result<(), Woken<T>> {
         // SAFETY: the caller holds `Locked`.
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
-            Some(home) => {
-                self.header().state.store(FiberState::Queued);
-                home.schedule(self)
-            }
+            Some(home) => home.schedule(Woken {
+                fiber: ManuallyDrop::new(self),
+            }),
             None => {
                 self.header().state.store(FiberState::Ready);
                 Ok(())
@@ -1076,25 +1133,16 @@ impl<T: Send + 'static> Fiber<T> {
             _owns: PhantomData,
         };
         // SAFETY: as above.
-        let Err(refused) = (unsafe { fiber.finish_wake_owned() }) else {
-            return false;
-        };
-        // Locked again, so that nothing runs the fiber or touches its
-        // stack while the waker takes back what it handed over: `Queued`
-        // alone would not do, since anyone holding a handle may call
-        // `mark_dequeued` and run it. If someone did already, the fiber is
-        // theirs and will take what it was handed: the wake stands.
-        if refused
-            .header()
-            .state
-            .transition(FiberState::Queued, FiberState::Locked)
-            .is_err()
-        {
-            return false;
+        match unsafe { fiber.finish_wake_owned() } {
+            Ok(()) => false,
+            Err(refused) => {
+                // Still held since the wake took it: nothing has run the
+                // fiber or touched its stack. The reference and the hold
+                // go back to the caller.
+                std::mem::forget(refused.into_held());
+                true
+            }
         }
-        // The reference goes back to the caller.
-        std::mem::forget(refused);
-        true
     }
 }
 

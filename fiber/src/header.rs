@@ -149,10 +149,9 @@ pub(crate) struct VTable {
     /// Drops a reference.
     pub(crate) release: unsafe fn(NonNull<Header>),
     /// Finishes a wake the caller owns (state `Locked`), consuming one
-    /// reference: stores `Queued` and schedules the fiber on its
-    /// home, or stores `Ready` if it has none. True if the home refused
-    /// it: the reference is the caller's again, and so is the state,
-    /// `Locked` again.
+    /// reference: hands the fiber to its home (which queues it), or
+    /// stores `Ready` if it has none. True if the home refused it: the
+    /// reference is the caller's again, and so is the hold (`Locked`).
     pub(crate) finish_wake: unsafe fn(NonNull<Header>) -> bool,
 }
 

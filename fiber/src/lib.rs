@@ -97,7 +97,7 @@ pub use current::{
     take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, Waiter,
 };
 pub use error::{FiberError, StackError};
-pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule};
+pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule, Woken};
 pub use header::{FiberId, FiberIdHasher, FiberStats, Priority, WaitReason};
 pub use report::leaked_stacks;
 pub use stack::{

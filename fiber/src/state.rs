@@ -15,10 +15,10 @@
 //!
 //! `Locked` is a short exclusive state taken by whoever rewrites the fiber's
 //! slot (`set_function`, `mark_queued`, `set_home`) or decides where a woken
-//! fiber goes (a waker, or the runner finishing a deferred wake). A waker
-//! whose wake the home refused takes it again, `Queued` → `Locked`, and
-//! holds it while it takes back what it handed over (`RefusedWake`); it
-//! then stores `Ready`.
+//! fiber goes (a waker, or the runner finishing a deferred wake). A wake
+//! holds it from `Sleeping` until its home queues it (`Woken::into_queued`
+//! stores `Queued`) or refuses it; a refused waker keeps holding it while
+//! it takes back what it handed over (`RefusedWake`), then stores `Ready`.
 //! Whoever moved the state out of `Ready`, `Sleeping`, `Empty` or `Finished`
 //! owns the fiber's slot until it stores the next state (Release); the next
 //! owner's successful CAS (Acquire) sees everything the previous one wrote.

@@ -451,8 +451,8 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
     static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
     struct Home(Mutex<Vec<Fiber<()>>>);
     impl Schedule<()> for Home {
-        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
-            self.0.lock().unwrap().push(fiber);
+        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+            self.0.lock().unwrap().push(fiber.into_queued());
             Ok(())
         }
     }
@@ -812,8 +812,8 @@ fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {
         seen: Arc<Mutex<Option<FiberState>>>,
     }
     impl Schedule<()> for Recorder {
-        fn schedule(&self, fiber: Fiber<()>) -> Result<(), Fiber<()>> {
-            drop(fiber);
+        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+            drop(fiber.into_queued());
             Ok(())
         }
     }

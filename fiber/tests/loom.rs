@@ -928,23 +928,24 @@ fn an_interrupt_without_the_fences_can_be_lost() {
 
 /// A wake that the fiber's home refuses (DESIGN.md, "Sleep/wake protocol",
 /// waker step 4), mirrored: the real state word, the node's `done` word in
-/// a loom cell (written by whoever owns the fiber), and a second holder of
-/// the fiber that takes it out of `Queued` by hand (`mark_dequeued`, public
-/// and safe) and runs it.
+/// a loom cell, and a second holder of the fiber that, whenever the state
+/// word lets it, takes the fiber out of `Queued` by hand (`mark_dequeued`,
+/// public and safe), runs it (it reads the node as the resumed wait does,
+/// then moves on: the node's memory is the next wait's, written `NEXT`)
+/// and queues it again.
 ///
-/// The waker wakes the sleeping fiber, its home refuses it, and the waker
-/// takes the state again (`Queued` → `Locked`, as `erased_finish_wake`
-/// does) before it revokes the node and stores `Ready`; if the holder took
-/// the fiber first, the wake stands and the waker leaves the node alone.
-/// The holder, if it claims the fiber, reads the node as the resumed wait
-/// does. loom reports any node access the state word does not order, and
-/// the model checks that exactly one of them decides the value's fate.
-///
-/// `hold`: false revokes while the fiber is merely `Queued` (no `Locked`),
-/// which the `should_panic` variant shows is a race.
-fn refused_wake_model(hold: bool) {
+/// The waker wakes the sleeping fiber (`Sleeping` → `Locked`), its home
+/// refuses it, and the waker revokes the node and stores `Ready`. As
+/// built, the fiber stays `Locked` from the wake to the revocation (the
+/// scheduler gets a `Woken`). `publish_first` mirrors the first version,
+/// which stored `Queued` before calling the scheduler and took `Locked`
+/// back after the refusal: the `should_panic` variant shows the holder
+/// slipping in between and the waker revoking a node the fiber had moved
+/// past (the ABA a review found).
+fn refused_wake_model(publish_first: bool) {
     const DONE: u8 = 1;
     const REVOKED: u8 = 2;
+    const NEXT: u8 = 3;
     struct Shared {
         state: StateCell,
         node: UnsafeCell<u8>,
@@ -965,48 +966,47 @@ fn refused_wake_model(hold: bool) {
                 return None;
             }
             let seen = s.node.with(|v| unsafe { *v });
-            s.state.store(FiberState::Ready);
+            // On into its next wait, and queued again by a later wake.
+            s.node.with_mut(|v| unsafe { *v = NEXT });
+            s.state.store(FiberState::Queued);
             Some(seen)
         })
     };
     // The waker: `Waiter::try_wake` with a home that refuses.
     assert_eq!(s.state.transition_to_woken(), WakeTransition::Owned);
-    s.state.store(FiberState::Queued); // `finish_wake_owned`, then refused
-    let revoked = if hold {
-        match s.state.transition(FiberState::Queued, FiberState::Locked) {
-            Ok(()) => {
-                s.node.with_mut(|v| unsafe { *v = REVOKED });
-                s.state.store(FiberState::Ready);
-                true
-            }
-            Err(_) => false,
-        }
+    let held = if publish_first {
+        s.state.store(FiberState::Queued);
+        s.state.transition(FiberState::Queued, FiberState::Locked).is_ok()
     } else {
-        s.node.with_mut(|v| unsafe { *v = REVOKED });
-        let _ = s.state.transition(FiberState::Queued, FiberState::Ready);
         true
     };
+    if held {
+        s.node.with_mut(|v| unsafe { *v = REVOKED });
+        s.state.store(FiberState::Ready);
+    }
     let seen = holder.join().unwrap();
-    match (revoked, seen) {
-        // The holder ran first and took what it was handed; the waker left
-        // the node alone (only without the hold could it still revoke).
-        (false, Some(v)) => assert_eq!(v, DONE),
-        (false, None) => panic!("the waker let go, so the holder must have run"),
-        // Revoked: a holder that ran afterwards sees it, and waits again.
-        (true, Some(v)) => assert_eq!(v, REVOKED, "the holder took a value that was given on"),
-        (true, None) => {}
+    let last = s.node.with(|v| unsafe { *v });
+    match seen {
+        // The holder ran: after the revocation (it sees it, and would wait
+        // again), or, only in the first version, before the waker held the
+        // fiber. Either way the waker must not have written the node
+        // after the fiber moved past it.
+        Some(v) => {
+            assert!(v == REVOKED || (publish_first && v == DONE), "the holder saw {v}");
+            assert_eq!(last, NEXT, "the waker revoked a node the fiber had moved past");
+        }
+        None => assert_eq!(last, REVOKED),
     }
 }
 
 #[test]
 fn a_refused_wake_is_held_while_the_waker_takes_its_value_back() {
-    model(|| refused_wake_model(true));
+    model(|| refused_wake_model(false));
 }
 
-/// Without taking `Locked`, a holder's `mark_dequeued` lets the fiber run
-/// while the waker revokes: the model must find it.
+/// The first version's re-take of `Queued`: the model must find the ABA.
 #[test]
-#[should_panic(expected = "Causality violation")]
-fn a_refused_wake_revoked_while_only_queued_is_caught() {
-    model(|| refused_wake_model(false));
+#[should_panic(expected = "the waker revoked a node the fiber had moved past")]
+fn a_refused_wake_published_as_queued_first_is_caught() {
+    model(|| refused_wake_model(true));
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use spindle_fiber::{
     current, sleep, yield_now, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome, Schedule,
-    Waiter,
+    Waiter, Woken,
 };
 
 type Slot = Arc<Mutex<Option<Waiter>>>;
@@ -217,7 +217,9 @@ fn outside_a_fiber_there_is_no_waiter_and_sleep_panics() {
 struct Collect(Mutex<Vec<Fiber<u32>>>);
 
 impl Schedule<u32> for Collect {
-    fn schedule(&self, fiber: Fiber<u32>) -> Result<(), Fiber<u32>> {
+    fn schedule(&self, fiber: Woken<u32>) -> Result<(), Woken<u32>> {
+        assert_eq!(fiber.fiber().state(), FiberState::Locked, "held by the wake");
+        let fiber = fiber.into_queued();
         assert_eq!(fiber.state(), FiberState::Queued);
         self.0.lock().unwrap().push(fiber);
         Ok(())
@@ -347,17 +349,18 @@ fn wakes_outside_a_sleep_are_void() {
     });
 }
 
-/// A scheduler that has shut down: refuses every fiber. With `take_first`,
-/// it plays a holder of the fiber that took it out of `Queued` by hand
-/// before the refusal (which then stands as a wake).
+/// A scheduler that has shut down: refuses every fiber. With `pokes`, it
+/// first tries to take the fiber out of its hold and run it, as a holder
+/// of another handle could.
 struct ShutDown {
-    take_first: bool,
+    pokes: bool,
 }
 
 impl Schedule<u32> for ShutDown {
-    fn schedule(&self, fiber: Fiber<u32>) -> Result<(), Fiber<u32>> {
-        if self.take_first {
-            fiber.mark_dequeued().unwrap();
+    fn schedule(&self, fiber: Woken<u32>) -> Result<(), Woken<u32>> {
+        if self.pokes {
+            assert!(fiber.fiber().mark_dequeued().is_err(), "held by the wake");
+            assert!(fiber.fiber().run().is_err(), "held by the wake");
         }
         Err(fiber)
     }
@@ -380,7 +383,7 @@ fn asleep_with_home(fiber: &Fiber<u32>, home: ShutDown) -> Waiter {
 fn a_refused_wake_holds_the_fiber_until_the_refusal_is_dropped() {
     with_watchdog(30, "refused_wake", || {
         let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let waiter = asleep_with_home(&fiber, ShutDown { take_first: false });
+        let waiter = asleep_with_home(&fiber, ShutDown { pokes: false });
         let refused = waiter.try_wake().expect_err("the home refuses");
         assert_eq!(refused.id(), fiber.id());
         assert!(format!("{refused:?}").contains("RefusedWake"));
@@ -393,15 +396,14 @@ fn a_refused_wake_holds_the_fiber_until_the_refusal_is_dropped() {
     });
 }
 
+/// The scheduler gets the fiber held: nothing, not even the scheduler
+/// itself, can take it out or run it before it is queued or refused.
 #[test]
-fn a_refused_wake_taken_out_of_the_queue_first_stands() {
-    with_watchdog(30, "refused_wake_taken_first", || {
+fn a_woken_fiber_is_held_until_queued_or_refused() {
+    with_watchdog(30, "woken_is_held", || {
         let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let waiter = asleep_with_home(&fiber, ShutDown { take_first: true });
-        assert!(
-            waiter.try_wake().is_ok(),
-            "the fiber is someone's to run: the wake stands"
-        );
+        let waiter = asleep_with_home(&fiber, ShutDown { pokes: true });
+        assert!(waiter.try_wake().is_err(), "refused");
         assert_eq!(fiber.state(), FiberState::Ready);
         assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
     });
@@ -411,7 +413,7 @@ fn a_refused_wake_taken_out_of_the_queue_first_stands() {
 fn a_plain_wake_that_is_refused_leaves_the_fiber_ready() {
     with_watchdog(30, "refused_plain_wake", || {
         let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        asleep_with_home(&fiber, ShutDown { take_first: false }).wake();
+        asleep_with_home(&fiber, ShutDown { pokes: false }).wake();
         assert_eq!(fiber.state(), FiberState::Ready);
         assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
     });

@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule};
+use spindle_fiber::{Fiber, FiberError, Priority, RunOutcome, Schedule, Woken};
 
 use self::sync::{Condvar, Mutex, MutexGuard};
 
@@ -606,14 +606,14 @@ impl<T: Send + 'static> Schedule<T> for Shared<T> {
     /// Once every handle is gone, nobody pops this queue again: the wake
     /// is refused (the fiber ends up `Ready`, and a `spindle-sync` waker
     /// hands its token or message to the next waiter instead).
-    fn schedule(&self, fiber: Fiber<T>) -> Result<(), Fiber<T>> {
+    fn schedule(&self, woken: Woken<T>) -> Result<(), Woken<T>> {
         let mut synced = self.synced.lock();
         if self.handles.load(Ordering::Acquire) == 0 {
             drop(synced);
-            return Err(fiber);
+            return Err(woken);
         }
         synced.stats.wakes += 1;
-        self.insert(synced, fiber);
+        self.insert(synced, woken.into_queued());
         Ok(())
     }
 }

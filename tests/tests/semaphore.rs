@@ -487,7 +487,7 @@ fn a_release_whose_wake_panics_loses_no_token() {
 
     struct PanicsInSchedule;
     impl Schedule<()> for PanicsInSchedule {
-        fn schedule(&self, _fiber: Fiber<()>) -> Result<(), Fiber<()>> {
+        fn schedule(&self, _fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
             panic!("schedule panics");
         }
     }
