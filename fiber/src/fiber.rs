@@ -222,6 +222,49 @@ impl<T> RunOutcome<T> {
 /// [`Fiber::mark_queued`]); when a synchronisation primitive wakes it, it
 /// hands itself to that scheduler.
 ///
+/// A minimal scheduler: a FIFO behind a mutex, which refuses wakes once it
+/// is closed.
+///
+/// ```
+/// use std::collections::VecDeque;
+/// use std::sync::{Arc, Mutex};
+/// use spindle_fiber::{sleep, Fiber, FiberAttr, Priority, RunOutcome, Schedule, Waiter, Woken};
+///
+/// #[derive(Default)]
+/// struct Fifo {
+///     queue: Mutex<(VecDeque<Fiber<()>>, bool)>, // (fibers, closed)
+/// }
+///
+/// impl Schedule<()> for Fifo {
+///     fn schedule(&self, woken: Woken<()>) -> Result<(), Woken<()>> {
+///         let mut q = self.queue.lock().unwrap();
+///         if q.1 {
+///             return Err(woken); // closed for good: the waker takes back what it handed over
+///         }
+///         q.0.push_back(woken.into_queued());
+///         Ok(())
+///     }
+/// }
+///
+/// let fifo = Arc::new(Fifo::default());
+/// let home: Arc<dyn Schedule<()>> = fifo.clone();
+/// let slot = Arc::new(Mutex::new(None));
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// let s = slot.clone();
+/// fiber.set_function(Priority::NORMAL, move || {
+///     *s.lock().unwrap() = Waiter::current();
+///     sleep();
+/// }).unwrap();
+/// fiber.mark_queued(Some(&home)).unwrap(); // as a push does: this is its home now
+/// fiber.mark_dequeued().unwrap(); // and as a pop does
+/// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+///
+/// slot.lock().unwrap().take().unwrap().wake(); // back to its home
+/// let woken = fifo.queue.lock().unwrap().0.pop_front().unwrap();
+/// woken.mark_dequeued().unwrap();
+/// assert!(matches!(woken.run(), Ok(RunOutcome::Returned(()))));
+/// ```
+///
 /// A scheduler is `Send + Sync + 'static`: fibers keep it as their home
 /// and wakes call it from any thread, long after whoever queued them:
 ///
