@@ -212,7 +212,7 @@ impl Inbox {
 
 impl Schedule<()> for Inbox {
     /// The seam: a woken fiber goes back to the inbox of its worker.
-    fn schedule(&self, woken: Woken<()>) -> Result<(), Woken<()>> {
+    fn schedule<'w>(&self, woken: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> {
         let class = class_of(woken.fiber().priority());
         let mut queues = self.queues.lock();
         if queues.closed {

@@ -236,7 +236,7 @@ impl<T> RunOutcome<T> {
 /// }
 ///
 /// impl Schedule<()> for Fifo {
-///     fn schedule(&self, woken: Woken<()>) -> Result<(), Woken<()>> {
+///     fn schedule<'w>(&self, woken: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> {
 ///         let mut q = self.queue.lock().unwrap();
 ///         if q.1 {
 ///             return Err(woken); // closed for good: the waker takes back what it handed over
@@ -273,7 +273,7 @@ impl<T> RunOutcome<T> {
 ///
 /// struct NotSync(std::cell::Cell<u8>);
 /// impl Schedule<()> for NotSync {
-///     fn schedule(&self, _fiber: Woken<()>) -> Result<(), Woken<()>> { Ok(()) }
+///     fn schedule<'w>(&self, _fiber: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> { Ok(()) }
 /// }
 /// ```
 ///
@@ -282,7 +282,7 @@ impl<T> RunOutcome<T> {
 ///
 /// struct Borrowing<'a>(&'a u8);
 /// impl<'a> Schedule<()> for Borrowing<'a> {
-///     fn schedule(&self, _fiber: Woken<()>) -> Result<(), Woken<()>> { Ok(()) }
+///     fn schedule<'w>(&self, _fiber: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> { Ok(()) }
 /// }
 /// ```
 pub trait Schedule<T>: Send + Sync + 'static {
@@ -295,9 +295,10 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// floor (a dropped `Woken` leaves the fiber `Ready` in no queue).
     ///
     /// A scheduler that cannot take it, ever again (it has shut down),
-    /// refuses: it returns the `Woken`. The fiber has been held since the
-    /// wake took it (its state reads `Locked`), so no one has run it or
-    /// can: [`Waiter::try_wake`] hands the refusal to the waker, which
+    /// refuses: it returns the `Woken` (its lifetime `'w` makes the one
+    /// this call was given the only one it can return). The fiber has been
+    /// held since the wake took it (its state reads `Locked`), so no one
+    /// has run it or can: [`Waiter::try_wake`] hands the refusal to the waker, which
     /// can take back what it handed over (`spindle-sync` gives a refused
     /// sleeper's token or message to the next waiter); the fiber then ends
     /// up `Ready` with no queue. Refuse only for good: the fiber, when it
@@ -316,7 +317,7 @@ pub trait Schedule<T>: Send + Sync + 'static {
     ///
     /// The `Woken`, untouched, if this scheduler refuses the fiber for
     /// good.
-    fn schedule(&self, fiber: Woken<T>) -> Result<(), Woken<T>>;
+    fn schedule<'w>(&self, fiber: Woken<'w, T>) -> Result<(), Woken<'w, T>>;
 }
 
 /// A woken fiber on its way to its scheduler ([`Schedule::schedule`]).
@@ -325,11 +326,42 @@ pub trait Schedule<T>: Send + Sync + 'static {
 /// can run it, queue it or take it out of a queue until the scheduler
 /// queues it ([`into_queued`](Woken::into_queued)) or the wake is refused
 /// and let go. Dropping it leaves the fiber `Ready`, in no queue.
-pub struct Woken<T> {
+///
+/// The lifetime `'w` brands one call of `schedule`: it is invariant and
+/// chosen by the caller, so a refusal can only hand back the `Woken` that
+/// call was given. A scheduler cannot keep one past the call, nor answer a
+/// wake with another fiber's `Woken` (or a later one of the same fiber),
+/// which would make the waker take back a value from a wait the fiber is
+/// not in:
+///
+/// ```compile_fail,E0521
+/// use std::sync::Mutex;
+/// use spindle_fiber::{Schedule, Woken};
+///
+/// struct Swapper(Mutex<Option<Woken<'static, ()>>>);
+/// impl Schedule<()> for Swapper {
+///     fn schedule<'w>(&self, w: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> {
+///         match self.0.lock().unwrap().replace(w) {
+///             Some(earlier) => Err(earlier),
+///             None => Ok(()),
+///         }
+///     }
+/// }
+/// ```
+///
+/// `Woken` is `Send` and `Sync` where `Fiber` is:
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::Woken<'static, String>>();
+/// ```
+pub struct Woken<'w, T> {
     fiber: ManuallyDrop<Fiber<T>>,
+    /// Invariant in `'w`.
+    _brand: PhantomData<fn(&'w ()) -> &'w ()>,
 }
 
-impl<T> Woken<T> {
+impl<T> Woken<'_, T> {
     /// The fiber (its id, priority, scheduler word). Everything that
     /// would claim it (`run`, `mark_dequeued`, `set_function`, ...) fails
     /// while the wake holds it.
@@ -357,7 +389,7 @@ impl<T> Woken<T> {
     }
 }
 
-impl<T> Drop for Woken<T> {
+impl<T> Drop for Woken<'_, T> {
     fn drop(&mut self) {
         self.fiber.header().state.store(FiberState::Ready);
         // SAFETY: dropped once, here.
@@ -365,7 +397,7 @@ impl<T> Drop for Woken<T> {
     }
 }
 
-impl<T> fmt::Debug for Woken<T> {
+impl<T> fmt::Debug for Woken<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = self.fiber.header();
         f.debug_struct("Woken")
@@ -1034,10 +1066,11 @@ impl<T: Send + 'static> Fiber<T> {
             // SAFETY: we hold the state `Locked`.
             SleepTransition::AlreadyWoken => {
                 // SAFETY: as above. Refused for good: its waker has moved
-                // on, so nobody takes anything back; dropping the `Woken`
-                // leaves the fiber `Ready` (run again, it finds what it
-                // was handed).
-                let _ = unsafe { self.clone().finish_wake_owned() };
+                // on, so nobody takes anything back; the fiber is left
+                // `Ready` (run again, it finds what it was handed).
+                if let Err(refused) = unsafe { self.clone().finish_wake_owned() } {
+                    refused.header().state.store(FiberState::Ready);
+                }
             }
         }
         true
@@ -1138,17 +1171,22 @@ impl<T: Send + 'static> Fiber<T> {
     /// # Errors
     ///
     /// The home refused the fiber for good: it comes back, still held
-    /// (`Locked`).
+    /// (`Locked`: the caller lets go of it).
     ///
     /// # Safety
     /// The caller holds the state `Locked`.
-    unsafe fn finish_wake_owned(self) -> Result<(), Woken<T>> {
+    unsafe fn finish_wake_owned(self) -> Result<(), Fiber<T>> {
         // SAFETY: the caller holds `Locked`.
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
-            Some(home) => home.schedule(Woken {
-                fiber: ManuallyDrop::new(self),
-            }),
+            // A refusal can only hand back this `Woken` (its brand), still
+            // holding this fiber.
+            Some(home) => home
+                .schedule(Woken {
+                    fiber: ManuallyDrop::new(self),
+                    _brand: PhantomData,
+                })
+                .map_err(Woken::into_held),
             None => {
                 self.header().state.store(FiberState::Ready);
                 Ok(())
@@ -1182,7 +1220,7 @@ impl<T: Send + 'static> Fiber<T> {
                 // Still held since the wake took it: nothing has run the
                 // fiber or touched its stack. The reference and the hold
                 // go back to the caller.
-                std::mem::forget(refused.into_held());
+                std::mem::forget(refused);
                 true
             }
         }

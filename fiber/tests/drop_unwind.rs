@@ -451,7 +451,10 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
     static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
     struct Home(Mutex<Vec<Fiber<()>>>);
     impl Schedule<()> for Home {
-        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+        fn schedule<'w>(
+            &self,
+            fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
             self.0.lock().unwrap().push(fiber.into_queued());
             Ok(())
         }
@@ -812,7 +815,10 @@ fn a_replaced_home_is_dropped_after_the_fiber_is_unlocked() {
         seen: Arc<Mutex<Option<FiberState>>>,
     }
     impl Schedule<()> for Recorder {
-        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+        fn schedule<'w>(
+            &self,
+            fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
             drop(fiber.into_queued());
             Ok(())
         }

@@ -217,7 +217,7 @@ fn outside_a_fiber_there_is_no_waiter_and_sleep_panics() {
 struct Collect(Mutex<Vec<Fiber<u32>>>);
 
 impl Schedule<u32> for Collect {
-    fn schedule(&self, fiber: Woken<u32>) -> Result<(), Woken<u32>> {
+    fn schedule<'w>(&self, fiber: Woken<'w, u32>) -> Result<(), Woken<'w, u32>> {
         assert_eq!(fiber.fiber().state(), FiberState::Locked, "held by the wake");
         let fiber = fiber.into_queued();
         assert_eq!(fiber.state(), FiberState::Queued);
@@ -357,7 +357,7 @@ struct ShutDown {
 }
 
 impl Schedule<u32> for ShutDown {
-    fn schedule(&self, fiber: Woken<u32>) -> Result<(), Woken<u32>> {
+    fn schedule<'w>(&self, fiber: Woken<'w, u32>) -> Result<(), Woken<'w, u32>> {
         if self.pokes {
             assert!(fiber.fiber().mark_dequeued().is_err(), "held by the wake");
             assert!(fiber.fiber().run().is_err(), "held by the wake");

@@ -606,7 +606,7 @@ impl<T: Send + 'static> Schedule<T> for Shared<T> {
     /// Once every handle is gone, nobody pops this queue again: the wake
     /// is refused (the fiber ends up `Ready`, and a `spindle-sync` waker
     /// hands its token or message to the next waiter instead).
-    fn schedule(&self, woken: Woken<T>) -> Result<(), Woken<T>> {
+    fn schedule<'w>(&self, woken: Woken<'w, T>) -> Result<(), Woken<'w, T>> {
         let mut synced = self.synced.lock();
         if self.handles.load(Ordering::Acquire) == 0 {
             drop(synced);

@@ -16,18 +16,26 @@
 //! 4. a fiber calls [`spindle_fiber::sleep_on`]; its runner then moves it
 //!    `Running` → `Sleeping`, or, if a waker already came, finishes the
 //!    wake itself; a thread parks until the node's `done` flag is set;
-//! 5. once resumed, read the value the waker left in the node.
+//! 5. once resumed, read the value the waker left in the node (`DONE`); if
+//!    the waker took it back (`REVOKED`, waker step 4), take what is there
+//!    now or link the node again and sleep again.
 //!
 //! Waker:
 //!
 //! 1. lock; unlink the head node; take its `Waiter`/thread handle out of it;
-//!    write the handed-over value into it; set `done` (Release): this is
-//!    the waker's last touch of the node, which may vanish right after;
+//!    write the handed-over value into it; set `done` (Release): for a
+//!    thread sleeper this is the waker's last touch of the node, which may
+//!    vanish right after (a fiber's node stays until the fiber runs);
 //! 2. unlock;
-//! 3. wake: for a fiber, [`Waiter::wake`] moves `Sleeping` → `Locked` →
-//!    `Queued` on its run queue (`Ready` if it has none), or `Running` →
-//!    `RunningWoken` when the sleeper is between its steps 3 and 4 (its
-//!    runner then queues it); for a thread, unpark.
+//! 3. wake: for a fiber, [`Waiter::try_wake`] moves `Sleeping` → `Locked`
+//!    and hands it to its home, which queues it (`Ready` if it has none),
+//!    or `Running` → `RunningWoken` when the sleeper is between its steps 3
+//!    and 4 (its runner then queues it); for a thread, unpark;
+//! 4. if the fiber's home refused it for good (shut down), the fiber is
+//!    still held (`Locked`, not run since step 3): lock, mark the node
+//!    `REVOKED`, take the value back and give it on ([`GiveBack`]), unlock,
+//!    let the fiber go (`Ready`), and wake whoever got the value the same
+//!    way ([`Wakeup::deliver`]).
 //!
 //! The value and the unlinking happen under the lock, so each sleeper gets
 //! exactly one value and a node is never on a list twice; the state machine

@@ -139,3 +139,40 @@ fn a_refused_fiber_unwound_by_the_waker_gives_nothing_back_twice() {
         assert_eq!((sem.available(), sem.waiters()), (1, 0), "the token counted once");
     });
 }
+
+/// Refusals in a row, one of them re-entering the release: the first
+/// refused fiber is dropped inside the release (its last reference), and
+/// its unwind releases a token of its own. The second refused fiber passes
+/// both on; the thread behind them gets one, the count keeps the other.
+#[test]
+fn refused_fibers_in_a_row_one_releasing_as_it_unwinds_lose_nothing() {
+    watchdog("refused_fibers_in_a_row_one_releasing_as_it_unwinds_lose_nothing", 30, |stage| {
+        struct ReleaseOnDrop(Arc<Semaphore>);
+        impl Drop for ReleaseOnDrop {
+            fn drop(&mut self) {
+                self.0.release(1);
+            }
+        }
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let first = fiber(Priority::NORMAL, move || {
+            let _give = ReleaseOnDrop(s.clone());
+            s.acquire();
+        });
+        asleep_with_its_queue_gone(&first);
+        drop(first); // the wait list holds its last reference
+        let s = sem.clone();
+        let second = fiber(Priority::NORMAL, move || s.acquire());
+        asleep_with_its_queue_gone(&second);
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire());
+        stage.set("waiting for the thread to wait behind both fibers");
+        spin_until(|| sem.waiters() == 3);
+        stage.set("releasing one token past two refused fibers");
+        sem.release(1);
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (1, 0), "the unwound fiber's token is counted");
+        assert!(matches!(second.run(), Ok(RunOutcome::Returned(()))), "it takes the counted token");
+        assert_eq!(sem.available(), 0);
+    });
+}

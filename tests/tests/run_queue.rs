@@ -676,7 +676,10 @@ fn a_home_replaced_by_a_push_is_dropped_outside_the_queue_lock() {
         len_seen_on_drop: Arc<Mutex<Option<usize>>>,
     }
     impl Schedule<()> for Elsewhere {
-        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+        fn schedule<'w>(
+            &self,
+            fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
             drop(fiber.into_queued());
             Ok(())
         }
@@ -730,7 +733,10 @@ fn mark_queued_and_set_home_hand_back_the_home_they_replace() {
 
     struct NoopHome;
     impl Schedule<()> for NoopHome {
-        fn schedule(&self, fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+        fn schedule<'w>(
+            &self,
+            fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
             drop(fiber.into_queued());
             Ok(())
         }

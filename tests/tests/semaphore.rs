@@ -487,7 +487,10 @@ fn a_release_whose_wake_panics_loses_no_token() {
 
     struct PanicsInSchedule;
     impl Schedule<()> for PanicsInSchedule {
-        fn schedule(&self, _fiber: spindle_fiber::Woken<()>) -> Result<(), spindle_fiber::Woken<()>> {
+        fn schedule<'w>(
+            &self,
+            _fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
             panic!("schedule panics");
         }
     }
