@@ -81,8 +81,8 @@ pub(crate) struct WaitNode {
     /// provenance (a semaphore hands null).
     value: Cell<*mut ()>,
     /// [`LINKED`] while on the list; [`DONE`] once a waker unlinked it and
-    /// handed it `value` (stored with Release as the waker's last touch of
-    /// the node); [`REVOKED`] if that waker then took the value back
+    /// handed it `value` (stored with Release; a thread sleeper's node is
+    /// not touched again); [`REVOKED`] if that waker then took the value back
     /// because the fiber's scheduler refused the wake (under the lock,
     /// while the refusal keeps the fiber from running).
     done: AtomicU8,
@@ -230,33 +230,46 @@ impl Wakeup {
     /// hands it to the next waiter (woken the same way, and so on) or
     /// keeps it. The fiber is then left `Ready`; if it ever runs, its
     /// wait finds the node revoked and waits again.
+    #[inline]
     pub(crate) fn deliver<S>(self, mutex: &Mutex<S>, give_back: GiveBack<S>) {
-        let mut wakeup = self;
-        loop {
-            let refused: RefusedWake = match wakeup.sleeper {
-                Sleeper::Thread(t) => return t.unpark(),
-                Sleeper::Fiber(w) => match w.try_wake() {
-                    Ok(()) => return,
-                    Err(refused) => refused,
-                },
-            };
-            let mut locked = mutex.lock();
-            // SAFETY: the refusal keeps the fiber from running or being
-            // unwound, so its suspended stack, and the node on it, are
-            // intact; the lock orders this with the fiber's own look at
-            // the node when it runs again.
-            let node = unsafe { &*wakeup.node };
-            debug_assert_eq!(node.done.load(Ordering::Relaxed), DONE);
-            node.done.store(REVOKED, Ordering::Relaxed);
-            let next = give_back(&mut locked, node.value.replace(ptr::null_mut()));
-            drop(locked);
-            // The fiber becomes `Ready`, in no queue (and is released, if
-            // this was its last reference).
-            drop(refused);
-            match next {
-                Some(next) => wakeup = next,
-                None => return,
+        match self.sleeper {
+            Sleeper::Thread(t) => t.unpark(),
+            Sleeper::Fiber(w) => {
+                if let Err(refused) = w.try_wake() {
+                    revoke(refused, self.node, mutex, give_back);
+                }
             }
+        }
+    }
+}
+
+/// Waker step 4, out of the common path: takes the value back from the node
+/// of a fiber whose wake `refused` is, gives it on, and delivers to whoever
+/// got it (and so on, each refusal taking one sleeper off the list).
+#[cold]
+#[inline(never)]
+fn revoke<S>(mut refused: RefusedWake, mut node: *const WaitNode, mutex: &Mutex<S>, give_back: GiveBack<S>) {
+    loop {
+        let mut locked = mutex.lock();
+        // SAFETY: the refusal keeps the fiber from running or being
+        // unwound, so its suspended stack, and the node on it, are intact;
+        // the lock orders this with the fiber's own look at the node when
+        // it runs again.
+        let n = unsafe { &*node };
+        debug_assert_eq!(n.done.load(Ordering::Relaxed), DONE);
+        n.done.store(REVOKED, Ordering::Relaxed);
+        let next = give_back(&mut locked, n.value.replace(ptr::null_mut()));
+        drop(locked);
+        // The fiber becomes `Ready`, in no queue (and is released, if this
+        // was its last reference).
+        drop(refused);
+        let Some(next) = next else { return };
+        match next.sleeper {
+            Sleeper::Thread(t) => return t.unpark(),
+            Sleeper::Fiber(w) => match w.try_wake() {
+                Ok(()) => return,
+                Err(again) => (refused, node) = (again, next.node),
+            },
         }
     }
 }
@@ -265,6 +278,23 @@ impl Wakeup {
 /// or its wake was refused) to the primitive's locked state: to the next
 /// waiter (the wakeup to deliver once the lock is released), or kept.
 pub(crate) type GiveBack<S> = fn(&mut S, *mut ()) -> Option<Wakeup>;
+
+/// Links a revoked node again, at the tail, with a new waiter for the
+/// current fiber (sleeper step 5, out of the common path).
+///
+/// # Safety
+/// `node` is unlinked and stays pinned until it is unlinked again; the
+/// caller holds the lock of `list`'s primitive.
+#[cold]
+#[inline(never)]
+unsafe fn relink(node: &WaitNode, list: &mut WaitList) {
+    let me = Waiter::current().expect("a fiber that slept has a waiter");
+    // SAFETY: unlinked, so only we can see the node.
+    unsafe { *node.sleeper.get() = Some(Sleeper::Fiber(me)) };
+    node.done.store(LINKED, Ordering::Relaxed);
+    // SAFETY: the caller's contract.
+    unsafe { list.push_back(node) };
+}
 
 /// Guards a waiting frame against unwinding while its node is linked, and
 /// against losing what a waker handed over.
@@ -421,12 +451,8 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                     std::mem::forget(linked);
                     return Ok(value);
                 }
-                let me = Waiter::current().expect("a fiber that slept has a waiter");
-                // SAFETY: unlinked, so only we can see the node.
-                unsafe { *node.sleeper.get() = Some(Sleeper::Fiber(me)) };
-                node.done.store(LINKED, Ordering::Relaxed);
-                // SAFETY: as at the first link.
-                unsafe { list(&mut locked).push_back(&node) };
+                // SAFETY: the node is this frame's, unlinked and pinned.
+                unsafe { relink(&node, list(&mut locked)) };
             }
         }
     } else {
