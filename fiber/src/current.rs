@@ -353,7 +353,13 @@ pub struct Waiter {
     /// The generation of the function it was made for (see
     /// `Header::interrupt`): its `interrupt` reaches that function only.
     generation: u64,
+    /// The fiber's `waits_left` when the fiber made it
+    /// ([`Waiter::current`]), or [`NOT_IN_A_WAIT`].
+    waits_left: u64,
 }
+
+/// [`Waiter::waits_left`] of a waiter the fiber did not make itself.
+const NOT_IN_A_WAIT: u64 = u64::MAX;
 
 // SAFETY: a Waiter only holds a counted reference; every operation on it
 // goes through the header's atomics and the fiber's state machine.
@@ -370,10 +376,14 @@ impl Waiter {
         // reference this Waiter owns.
         unsafe { (h.as_ref().vtable.retain)(h) };
         // SAFETY: as above.
-        let generation = unsafe { h.as_ref() }.interrupt.load(Ordering::Relaxed) >> 1;
+        let hr = unsafe { h.as_ref() };
+        let generation = hr.interrupt.load(Ordering::Relaxed) >> 1;
+        // The fiber's own word, read by the fiber.
+        let waits_left = hr.waits_left.load(Ordering::Relaxed);
         Some(Waiter {
             header: h,
             generation,
+            waits_left,
         })
     }
 
@@ -442,7 +452,11 @@ impl Waiter {
     pub(crate) unsafe fn from_owned(header: NonNull<Header>) -> Waiter {
         // SAFETY: the caller's contract.
         let generation = unsafe { header.as_ref() }.interrupt.load(Ordering::Acquire) >> 1;
-        Waiter { header, generation }
+        Waiter {
+            header,
+            generation,
+            waits_left: NOT_IN_A_WAIT,
+        }
     }
 
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
@@ -488,7 +502,7 @@ impl Waiter {
     /// `Waiter`, an interrupt of a plain wait) was refused, the fiber is
     /// `Ready` in no queue, and a later waker's value stays with it.
     pub fn try_wake(self) -> Result<(), RefusedWake> {
-        let h = self.header;
+        let (h, waits_left) = (self.header, self.waits_left);
         std::mem::forget(self);
         // SAFETY: we own one reference, which is handed on (or comes back
         // on a refusal).
@@ -496,7 +510,10 @@ impl Waiter {
             match h.as_ref().state.transition_to_woken() {
                 WakeTransition::Owned => {
                     if (h.as_ref().vtable.finish_wake)(h) {
-                        return Err(RefusedWake { header: h });
+                        return Err(RefusedWake {
+                            header: h,
+                            waits_left,
+                        });
                     }
                 }
                 WakeTransition::Deferred | WakeTransition::Void => (h.as_ref().vtable.release)(h),
@@ -513,6 +530,8 @@ impl Waiter {
 /// leaks the fiber, as any last reference does).
 pub struct RefusedWake {
     header: NonNull<Header>,
+    /// The woken `Waiter`'s record of the fiber's `waits_left`.
+    waits_left: u64,
 }
 
 // SAFETY: as for `Waiter`: a counted reference, used only through the
@@ -526,6 +545,43 @@ impl RefusedWake {
     pub fn id(&self) -> FiberId {
         // SAFETY: we own a reference.
         unsafe { self.header.as_ref() }.id
+    }
+
+    /// Whether the fiber is still suspended in the wait during which it
+    /// made the woken `Waiter` ([`Waiter::current`]), per the protocol
+    /// of [`leave_wait`]: it has left no wait since. Only then may a waker
+    /// take back what it handed over in that wait (from a node on the
+    /// fiber's stack, say): the fiber is held, so it cannot leave
+    /// meanwhile. False for a waiter not made by the fiber itself
+    /// ([`Fiber::waiter`](crate::Fiber::waiter)).
+    ///
+    /// The wait may already have been handed its value and the fiber
+    /// resumed and run on since (by an earlier, spurious, wake), into a
+    /// different wait: that is what this tells apart.
+    pub fn still_in_wait(&self) -> bool {
+        // SAFETY: we own a reference. The fiber is held: its last write
+        // of the word happened before the state store that let the wake
+        // take it (Release, paired with the wake's Acquire).
+        let now = unsafe { self.header.as_ref() }.waits_left.load(Ordering::Relaxed);
+        self.waits_left != NOT_IN_A_WAIT && now == self.waits_left
+    }
+}
+
+/// Marks the end of a wait of the current fiber (nothing on an ordinary
+/// thread), for [`RefusedWake::still_in_wait`].
+///
+/// A primitive whose wakers hand values to sleepers, and take them back
+/// from a sleeper whose wake was refused, calls this on every way out of
+/// a wait that made a `Waiter` (a value taken, an interrupt, a retry),
+/// before the fiber can wait anywhere else. `spindle-sync` does. Calling
+/// it more often is harmless: a refused waker then takes nothing back.
+#[inline]
+pub fn leave_wait() {
+    let h = current_header();
+    if !h.is_null() {
+        // SAFETY: the running fiber's header; only the fiber writes it.
+        let w = unsafe { &(*h).waits_left };
+        w.store(w.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 }
 

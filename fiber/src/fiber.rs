@@ -654,6 +654,7 @@ impl<T: Send + 'static> Fiber<T> {
             vtable: &Self::VTABLE,
             sched_data: AtomicUsize::new(0),
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
+            waits_left: AtomicU64::new(0),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
             interrupt: AtomicU64::new(0),
@@ -1179,14 +1180,28 @@ impl<T: Send + 'static> Fiber<T> {
         // SAFETY: the caller holds `Locked`.
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
-            // A refusal can only hand back this `Woken` (its brand), still
-            // holding this fiber.
-            Some(home) => home
-                .schedule(Woken {
+            Some(home) => {
+                let me = self.inner;
+                match home.schedule(Woken {
                     fiber: ManuallyDrop::new(self),
                     _brand: PhantomData,
-                })
-                .map_err(Woken::into_held),
+                }) {
+                    Ok(()) => Ok(()),
+                    // The brand makes this call's `Woken` the only one a
+                    // refusal can return. Checked all the same, at no cost
+                    // to the common path: a lifetime can be forged with
+                    // a known compiler hole (rust-lang/rust#25860), and a
+                    // waker that took back a value from the wrong fiber
+                    // would write to a stack it does not hold. Another
+                    // fiber's `Woken` is let go, and this wake counts as
+                    // taken: whoever kept ours decides its fate.
+                    Err(w) if w.fiber.inner == me => Err(w.into_held()),
+                    Err(other) => {
+                        drop(other);
+                        Ok(())
+                    }
+                }
+            }
             None => {
                 self.header().state.store(FiberState::Ready);
                 Ok(())

@@ -218,6 +218,10 @@ pub(crate) struct Header {
     /// it sleeps, read by anyone for reports.
     pub(crate) wait_reason: AtomicPtr<WaitReason>,
     pub(crate) wait_location: AtomicPtr<Location<'static>>,
+    /// Waits the fiber has left (`leave_wait`): written only by the fiber
+    /// itself, recorded by the `Waiter`s it makes, compared by a refused
+    /// waker that holds the fiber (`RefusedWake::still_in_wait`).
+    pub(crate) waits_left: AtomicU64,
 }
 
 /// What a sleeping fiber waits on, for reports (a deadlock report, `Debug`).

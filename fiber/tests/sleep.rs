@@ -418,3 +418,50 @@ fn a_plain_wake_that_is_refused_leaves_the_fiber_ready() {
         assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
     });
 }
+
+/// `RefusedWake::still_in_wait`: true while the fiber has left no wait
+/// (`leave_wait`) since it made the woken waiter; false once it has, and
+/// for a waiter it did not make itself.
+#[test]
+fn a_refused_wake_tells_whether_the_fiber_is_still_in_its_wait() {
+    with_watchdog(30, "still_in_wait", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let waiter = asleep_with_home(&fiber, ShutDown { pokes: false });
+        let refused = waiter.try_wake().expect_err("refused");
+        assert!(
+            refused.still_in_wait(),
+            "it has left no wait since it made the waiter"
+        );
+        drop(refused);
+
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let slot: Slot = Arc::default();
+        let s = slot.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                *s.lock().unwrap() = Waiter::current();
+                spindle_fiber::leave_wait(); // that wait is over
+                sleep(); // a later one
+                7
+            })
+            .unwrap();
+        let home: Arc<dyn Schedule<u32>> = Arc::new(ShutDown { pokes: false });
+        fiber.mark_queued(Some(&home)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        let refused = take(&slot).try_wake().expect_err("refused");
+        assert!(
+            !refused.still_in_wait(),
+            "it left the wait the waiter was made in"
+        );
+        drop(refused);
+
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let _ = asleep_with_home(&fiber, ShutDown { pokes: false });
+        let refused = fiber.waiter().try_wake().expect_err("refused");
+        assert!(
+            !refused.still_in_wait(),
+            "a waiter made from a handle names no wait"
+        );
+    });
+}

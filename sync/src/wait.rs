@@ -250,11 +250,18 @@ impl Wakeup {
 #[inline(never)]
 fn revoke<S>(mut refused: RefusedWake, mut node: *const WaitNode, mutex: &Mutex<S>, give_back: GiveBack<S>) {
     loop {
+        // The fiber may have left this wait before the wake took it: an
+        // earlier, spurious, wake ran it, it took the value and waits
+        // somewhere else now (`leave_wait` on every way out of `wait`).
+        // Then the value is its own, and the node is gone.
+        if !refused.still_in_wait() {
+            return;
+        }
         let mut locked = mutex.lock();
-        // SAFETY: the refusal keeps the fiber from running or being
-        // unwound, so its suspended stack, and the node on it, are intact;
-        // the lock orders this with the fiber's own look at the node when
-        // it runs again.
+        // SAFETY: the fiber has not left the wait that linked the node, and
+        // the refusal keeps it from running or being unwound, so its
+        // suspended stack, and the node on it, are intact; the lock orders
+        // this with the fiber's own look at the node when it runs again.
         let n = unsafe { &*node };
         debug_assert_eq!(n.done.load(Ordering::Relaxed), DONE);
         n.done.store(REVOKED, Ordering::Relaxed);
@@ -422,11 +429,16 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         loop {
             spindle_fiber::sleep_on(reason);
             if node.done.load(Ordering::Acquire) == DONE {
+                // Before anything else: from here the fiber may wait
+                // elsewhere, and a refused waker that still holds the
+                // wake of this wait must see that it left.
+                spindle_fiber::leave_wait();
                 break;
             }
             let mut locked = mutex.lock();
             let done = node.done.load(Ordering::Acquire);
             if done == DONE {
+                spindle_fiber::leave_wait();
                 break;
             }
             // Linked (or revoked: unlinked), and no waker can reach the
@@ -439,6 +451,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 }
                 drop(locked);
                 std::mem::forget(linked);
+                spindle_fiber::leave_wait();
                 return Err(Interrupted);
             }
             if done == REVOKED {
@@ -449,6 +462,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 if let Some(value) = take_now(&mut locked) {
                     drop(locked);
                     std::mem::forget(linked);
+                    spindle_fiber::leave_wait();
                     return Ok(value);
                 }
                 // SAFETY: the node is this frame's, unlinked and pinned.

@@ -176,3 +176,108 @@ fn refused_fibers_in_a_row_one_releasing_as_it_unwinds_lose_nothing() {
         assert_eq!(sem.available(), 0);
     });
 }
+
+/// A scheduler for the stale-wake test: a FIFO that refuses once closed.
+#[derive(Default)]
+struct Fifo(std::sync::Mutex<(std::collections::VecDeque<Fiber<()>>, bool)>);
+
+impl spindle_fiber::Schedule<()> for Fifo {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        let mut q = self.0.lock().unwrap();
+        if q.1 {
+            return Err(w);
+        }
+        q.0.push_back(w.into_queued());
+        Ok(())
+    }
+}
+
+/// A wake that is refused after the fiber already left the wait it was
+/// for: a spurious wake (an interrupt of a plain wait) ran the fiber
+/// between the waker's hand-over and its wake, the fiber took the token
+/// and now sleeps in its next `acquire`. The refused waker must leave the
+/// old node alone (it is gone; the new one may sit at the same address)
+/// and take nothing back: the token was used once. (From a review: the
+/// waker used to revoke the old node and count the token again.)
+#[test]
+fn a_refused_wake_of_a_fiber_that_left_the_wait_takes_nothing_back() {
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    watchdog("a_refused_wake_of_a_fiber_that_left_the_wait_takes_nothing_back", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let acquired = Arc::new(AtomicUsize::new(0));
+        let (fifo_a, fifo_f) = (Arc::new(Fifo::default()), Arc::new(Fifo::default()));
+        let home_a: Arc<dyn spindle_fiber::Schedule<()>> = fifo_a.clone();
+        let home_f: Arc<dyn spindle_fiber::Schedule<()>> = fifo_f.clone();
+        let home_and_run = |f: &Fiber<()>, home: &Arc<dyn spindle_fiber::Schedule<()>>| {
+            f.mark_queued(Some(home)).unwrap();
+            f.mark_dequeued().unwrap();
+            f.run().unwrap()
+        };
+
+        // Thread T owns fiber F, which acquires twice (pinned to T).
+        let (to_t, t_rx) = mpsc::channel::<()>();
+        let (t_tx, from_t) = mpsc::channel::<()>();
+        let t = {
+            let (sem, acquired, fifo_f, home_f) =
+                (sem.clone(), acquired.clone(), fifo_f.clone(), home_f.clone());
+            std::thread::spawn(move || {
+                let f = fiber(Priority::NORMAL, move || {
+                    sem.acquire();
+                    acquired.fetch_add(1, Ordering::SeqCst);
+                    sem.acquire();
+                    acquired.fetch_add(1, Ordering::SeqCst);
+                });
+                t_rx.recv().unwrap();
+                f.mark_queued(Some(&home_f)).unwrap();
+                f.mark_dequeued().unwrap();
+                assert!(matches!(f.run(), Ok(RunOutcome::Slept)), "F waits behind A");
+                t_tx.send(()).unwrap();
+                // Inside the release: F's node has the token, F is not woken yet.
+                t_rx.recv().unwrap();
+                f.interrupt(); // a spurious wake of a plain wait: F is queued
+                let queued = fifo_f.0.lock().unwrap().0.pop_front().expect("F was queued");
+                queued.mark_dequeued().unwrap();
+                assert!(
+                    matches!(f.run(), Ok(RunOutcome::Slept)),
+                    "F took the token, sleeps in its second acquire"
+                );
+                fifo_f.0.lock().unwrap().1 = true; // F's scheduler shuts down
+                t_tx.send(()).unwrap();
+                t_rx.recv().unwrap(); // the release is over
+                drop(f);
+                t_tx.send(()).unwrap();
+            })
+        };
+
+        // Fiber A, first in line, refused: its destructor (run when the
+        // release drops its refusal, the last reference) lets T run F.
+        struct Hook(mpsc::Sender<()>, Arc<Mutex<mpsc::Receiver<()>>>);
+        impl Drop for Hook {
+            fn drop(&mut self) {
+                self.0.send(()).unwrap();
+                self.1.lock().unwrap().recv().unwrap();
+            }
+        }
+        let from_t = Arc::new(Mutex::new(from_t));
+        let (s, hook) = (sem.clone(), Hook(to_t.clone(), from_t.clone()));
+        let a = fiber(Priority::NORMAL, move || {
+            let _hook = hook;
+            s.acquire();
+        });
+        assert!(matches!(home_and_run(&a, &home_a), RunOutcome::Slept));
+        fifo_a.0.lock().unwrap().1 = true;
+        drop(a);
+        to_t.send(()).unwrap();
+        from_t.lock().unwrap().recv().unwrap();
+        assert_eq!(sem.waiters(), 2);
+
+        stage.set("releasing one token: A refused, F handed it, run by a spurious wake, then refused");
+        sem.release(1);
+        assert_eq!(acquired.load(Ordering::SeqCst), 1, "F took the one token");
+        assert_eq!(sem.available(), 0, "and it was not counted again");
+        to_t.send(()).unwrap();
+        from_t.lock().unwrap().recv().unwrap();
+        t.join().unwrap();
+    });
+}
