@@ -1181,7 +1181,7 @@ impl<T: Send + 'static> Fiber<T> {
         let slot = unsafe { self.slot() };
         match slot.home.clone() {
             Some(home) => {
-                let me = self.inner;
+                let (me, me_id) = (self.inner, self.header().id);
                 match home.schedule(Woken {
                     fiber: ManuallyDrop::new(self),
                     _brand: PhantomData,
@@ -1192,10 +1192,13 @@ impl<T: Send + 'static> Fiber<T> {
                     // to the common path: a lifetime can be forged with
                     // a known compiler hole (rust-lang/rust#25860), and a
                     // waker that took back a value from the wrong fiber
-                    // would write to a stack it does not hold. Another
-                    // fiber's `Woken` is let go, and this wake counts as
-                    // taken: whoever kept ours decides its fate.
-                    Err(w) if w.fiber.inner == me => Err(w.into_held()),
+                    // would write to a stack it does not hold. The id
+                    // too, not only the address: a scheduler can free this
+                    // fiber inside the call and return a new fiber's
+                    // `Woken` at the same address (ids are never reused).
+                    // Another fiber's `Woken` is let go, and this wake
+                    // counts as taken: whoever kept ours decides its fate.
+                    Err(w) if w.fiber.inner == me && w.fiber.header().id == me_id => Err(w.into_held()),
                     Err(other) => {
                         drop(other);
                         Ok(())
