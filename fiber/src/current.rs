@@ -567,8 +567,46 @@ impl RefusedWake {
     }
 }
 
+/// A fiber's own mark of the waits it has left ([`leave_wait`]), reached
+/// without a thread-local lookup: taken from a [`Waiter`] the fiber made,
+/// for the fiber to use on its own stack (`spindle-sync`'s waits keep one
+/// in their frame).
+#[derive(Clone, Copy, Debug)]
+pub struct WaitToken {
+    header: NonNull<Header>,
+    /// Not `Send`: it names the fiber whose stack holds it.
+    _here: std::marker::PhantomData<*const ()>,
+}
+
+impl Waiter {
+    /// The token of the fiber this waiter wakes (see [`WaitToken`]).
+    pub fn wait_token(&self) -> WaitToken {
+        WaitToken {
+            header: self.header,
+            _here: std::marker::PhantomData,
+        }
+    }
+}
+
+impl WaitToken {
+    /// [`leave_wait`] for the fiber this names, without looking up the
+    /// current fiber.
+    ///
+    /// # Safety
+    ///
+    /// The fiber is alive and this runs on its stack (it is the current
+    /// fiber): only the fiber itself writes the mark.
+    #[inline]
+    pub unsafe fn leave_wait(self) {
+        // SAFETY: the caller's contract.
+        let w = unsafe { &self.header.as_ref().waits_left };
+        w.store(w.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    }
+}
+
 /// Marks the end of a wait of the current fiber (nothing on an ordinary
-/// thread), for [`RefusedWake::still_in_wait`].
+/// thread), for [`RefusedWake::still_in_wait`]. [`WaitToken::leave_wait`]
+/// does the same without the thread-local lookup.
 ///
 /// A primitive whose wakers hand values to sleepers, and take them back
 /// from a sleeper whose wake was refused, calls this on every way out of

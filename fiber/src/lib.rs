@@ -94,7 +94,7 @@ mod tls;
 
 pub use current::{
     current, current_id, current_sched_data, in_fiber, leave_wait, may_sleep, set_current_priority, sleep,
-    sleep_on, take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, Waiter,
+    sleep_on, take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, WaitToken, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule, Woken};

@@ -404,11 +404,23 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         return Err(Interrupted);
     }
     let node = pin!(WaitNode::for_current(wake_priority));
-    let is_fiber = matches!(
+    // The fiber's mark of the waits it left (`leave_wait` below, on every
+    // way out once linked), reached without a thread-local lookup.
+    let token = match
         // SAFETY: the node is not linked yet; only we can see it.
-        unsafe { &*node.sleeper.get() },
-        Some(Sleeper::Fiber(_))
-    );
+        unsafe { &*node.sleeper.get() }
+    {
+        Some(Sleeper::Fiber(w)) => Some(w.wait_token()),
+        _ => None,
+    };
+    let is_fiber = token.is_some();
+    let leave_wait = || {
+        if let Some(t) = token {
+            // SAFETY: called only in this frame, which runs on the stack of
+            // the fiber the token names (it made the node's waiter).
+            unsafe { t.leave_wait() }
+        }
+    };
     let mutex = MutexGuard::mutex(&guard);
     // SAFETY: the node is pinned in this frame, and this frame does not
     // return before the node is unlinked (we wait for `done` below), nor
@@ -432,13 +444,13 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 // Before anything else: from here the fiber may wait
                 // elsewhere, and a refused waker that still holds the
                 // wake of this wait must see that it left.
-                spindle_fiber::leave_wait();
+                leave_wait();
                 break;
             }
             let mut locked = mutex.lock();
             let done = node.done.load(Ordering::Acquire);
             if done == DONE {
-                spindle_fiber::leave_wait();
+                leave_wait();
                 break;
             }
             // Linked (or revoked: unlinked), and no waker can reach the
@@ -451,7 +463,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 }
                 drop(locked);
                 std::mem::forget(linked);
-                spindle_fiber::leave_wait();
+                leave_wait();
                 return Err(Interrupted);
             }
             if done == REVOKED {
@@ -462,7 +474,7 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 if let Some(value) = take_now(&mut locked) {
                     drop(locked);
                     std::mem::forget(linked);
-                    spindle_fiber::leave_wait();
+                    leave_wait();
                     return Ok(value);
                 }
                 // SAFETY: the node is this frame's, unlinked and pinned.
