@@ -353,13 +353,7 @@ pub struct Waiter {
     /// The generation of the function it was made for (see
     /// `Header::interrupt`): its `interrupt` reaches that function only.
     generation: u64,
-    /// The fiber's `waits_left` when the fiber made it
-    /// ([`Waiter::current`]), or [`NOT_IN_A_WAIT`].
-    waits_left: u64,
 }
-
-/// [`Waiter::waits_left`] of a waiter the fiber did not make itself.
-const NOT_IN_A_WAIT: u64 = u64::MAX;
 
 // SAFETY: a Waiter only holds a counted reference; every operation on it
 // goes through the header's atomics and the fiber's state machine.
@@ -376,14 +370,10 @@ impl Waiter {
         // reference this Waiter owns.
         unsafe { (h.as_ref().vtable.retain)(h) };
         // SAFETY: as above.
-        let hr = unsafe { h.as_ref() };
-        let generation = hr.interrupt.load(Ordering::Relaxed) >> 1;
-        // The fiber's own word, read by the fiber.
-        let waits_left = hr.waits_left.load(Ordering::Relaxed);
+        let generation = unsafe { h.as_ref() }.interrupt.load(Ordering::Relaxed) >> 1;
         Some(Waiter {
             header: h,
             generation,
-            waits_left,
         })
     }
 
@@ -452,11 +442,7 @@ impl Waiter {
     pub(crate) unsafe fn from_owned(header: NonNull<Header>) -> Waiter {
         // SAFETY: the caller's contract.
         let generation = unsafe { header.as_ref() }.interrupt.load(Ordering::Acquire) >> 1;
-        Waiter {
-            header,
-            generation,
-            waits_left: NOT_IN_A_WAIT,
-        }
+        Waiter { header, generation }
     }
 
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
@@ -502,7 +488,7 @@ impl Waiter {
     /// `Waiter`, an interrupt of a plain wait) was refused, the fiber is
     /// `Ready` in no queue, and a later waker's value stays with it.
     pub fn try_wake(self) -> Result<(), RefusedWake> {
-        let (h, waits_left) = (self.header, self.waits_left);
+        let h = self.header;
         std::mem::forget(self);
         // SAFETY: we own one reference, which is handed on (or comes back
         // on a refusal).
@@ -510,10 +496,7 @@ impl Waiter {
             match h.as_ref().state.transition_to_woken() {
                 WakeTransition::Owned => {
                     if (h.as_ref().vtable.finish_wake)(h) {
-                        return Err(RefusedWake {
-                            header: h,
-                            waits_left,
-                        });
+                        return Err(RefusedWake { header: h });
                     }
                 }
                 WakeTransition::Deferred | WakeTransition::Void => (h.as_ref().vtable.release)(h),
@@ -530,8 +513,6 @@ impl Waiter {
 /// leaks the fiber, as any last reference does).
 pub struct RefusedWake {
     header: NonNull<Header>,
-    /// The woken `Waiter`'s record of the fiber's `waits_left`.
-    waits_left: u64,
 }
 
 // SAFETY: as for `Waiter`: a counted reference, used only through the
@@ -547,48 +528,55 @@ impl RefusedWake {
         unsafe { self.header.as_ref() }.id
     }
 
-    /// Whether the fiber is still suspended in the wait during which it
-    /// made the woken `Waiter` ([`Waiter::current`]), per the protocol
-    /// of [`leave_wait`]: it has left no wait since. Only then may a waker
-    /// take back what it handed over in that wait (from a node on the
-    /// fiber's stack, say): the fiber is held, so it cannot leave
-    /// meanwhile. False for a waiter not made by the fiber itself
-    /// ([`Fiber::waiter`](crate::Fiber::waiter)).
+    /// Whether the fiber has left no wait since a [`WaitToken`] of it
+    /// recorded `waits_left` ([`WaitToken::waits_left`]), per the protocol
+    /// of [`leave_wait`]: then it is still suspended in that wait (it is
+    /// held, so it cannot leave meanwhile), and only then may a waker take
+    /// back what it handed over in that wait (from a node on the fiber's
+    /// stack, say).
     ///
     /// The wait may already have been handed its value and the fiber
     /// resumed and run on since (by an earlier, spurious, wake), into a
     /// different wait: that is what this tells apart.
-    pub fn still_in_wait(&self) -> bool {
+    pub fn still_in_wait(&self, waits_left: u64) -> bool {
         // SAFETY: we own a reference. The fiber is held: its last write
         // of the word happened before the state store that let the wake
         // take it (Release, paired with the wake's Acquire).
-        let now = unsafe { self.header.as_ref() }.waits_left.load(Ordering::Relaxed);
-        self.waits_left != NOT_IN_A_WAIT && now == self.waits_left
+        unsafe { self.header.as_ref() }.waits_left.load(Ordering::Relaxed) == waits_left
     }
 }
 
-/// A fiber's own mark of the waits it has left ([`leave_wait`]), reached
-/// without a thread-local lookup: taken from a [`Waiter`] the fiber made,
-/// for the fiber to use on its own stack (`spindle-sync`'s waits keep one
-/// in their frame).
+/// A fiber's own record of the waits it has left ([`leave_wait`]): the
+/// count when it was taken, and the fiber, to bump the count without a
+/// thread-local lookup. Taken by the fiber from a [`Waiter`] it made, and
+/// used on its own stack (`spindle-sync`'s waits keep one in their frame).
 #[derive(Clone, Copy, Debug)]
 pub struct WaitToken {
     header: NonNull<Header>,
+    waits_left: u64,
     /// Not `Send`: it names the fiber whose stack holds it.
     _here: std::marker::PhantomData<*const ()>,
 }
 
 impl Waiter {
-    /// The token of the fiber this waiter wakes (see [`WaitToken`]).
+    /// A token of the fiber this waiter wakes (see [`WaitToken`]). Its
+    /// count is meaningful only when the fiber takes it itself.
     pub fn wait_token(&self) -> WaitToken {
         WaitToken {
             header: self.header,
+            waits_left: self.header().waits_left.load(Ordering::Relaxed),
             _here: std::marker::PhantomData,
         }
     }
 }
 
 impl WaitToken {
+    /// The waits the fiber had left when this was taken (see
+    /// [`RefusedWake::still_in_wait`]).
+    pub fn waits_left(&self) -> u64 {
+        self.waits_left
+    }
+
     /// [`leave_wait`] for the fiber this names, without looking up the
     /// current fiber.
     ///

@@ -420,28 +420,24 @@ fn a_plain_wake_that_is_refused_leaves_the_fiber_ready() {
 }
 
 /// `RefusedWake::still_in_wait`: true while the fiber has left no wait
-/// (`leave_wait`) since it made the woken waiter; false once it has, and
-/// for a waiter it did not make itself.
+/// (`leave_wait`) since its `WaitToken` recorded the count; false once it
+/// has.
 #[test]
 fn a_refused_wake_tells_whether_the_fiber_is_still_in_its_wait() {
-    with_watchdog(30, "still_in_wait", || {
+    type Recorded = Arc<Mutex<Option<(Waiter, u64)>>>;
+    fn run_sleeper(leave_first: bool) -> (Fiber<u32>, Waiter, u64) {
         let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let waiter = asleep_with_home(&fiber, ShutDown { pokes: false });
-        let refused = waiter.try_wake().expect_err("refused");
-        assert!(
-            refused.still_in_wait(),
-            "it has left no wait since it made the waiter"
-        );
-        drop(refused);
-
-        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let slot: Slot = Arc::default();
-        let s = slot.clone();
+        let rec: Recorded = Arc::default();
+        let r = rec.clone();
         fiber
             .set_function(Priority::NORMAL, move || {
-                *s.lock().unwrap() = Waiter::current();
-                spindle_fiber::leave_wait(); // that wait is over
-                sleep(); // a later one
+                let w = Waiter::current().unwrap();
+                let waits_left = w.wait_token().waits_left();
+                *r.lock().unwrap() = Some((w, waits_left));
+                if leave_first {
+                    spindle_fiber::leave_wait(); // that wait is over
+                }
+                sleep(); // (the same wait, or a later one)
                 7
             })
             .unwrap();
@@ -449,19 +445,21 @@ fn a_refused_wake_tells_whether_the_fiber_is_still_in_its_wait() {
         fiber.mark_queued(Some(&home)).unwrap();
         fiber.mark_dequeued().unwrap();
         assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
-        let refused = take(&slot).try_wake().expect_err("refused");
-        assert!(
-            !refused.still_in_wait(),
-            "it left the wait the waiter was made in"
-        );
+        let (w, waits_left) = rec.lock().unwrap().take().unwrap();
+        (fiber, w, waits_left)
+    }
+    with_watchdog(30, "still_in_wait", || {
+        let (fiber, w, waits_left) = run_sleeper(false);
+        let refused = w.try_wake().expect_err("refused");
+        assert!(refused.still_in_wait(waits_left), "it has left no wait since");
         drop(refused);
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(7))));
 
-        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let _ = asleep_with_home(&fiber, ShutDown { pokes: false });
-        let refused = fiber.waiter().try_wake().expect_err("refused");
+        let (_fiber, w, waits_left) = run_sleeper(true);
+        let refused = w.try_wake().expect_err("refused");
         assert!(
-            !refused.still_in_wait(),
-            "a waiter made from a handle names no wait"
+            !refused.still_in_wait(waits_left),
+            "it left the wait the token was taken in"
         );
     });
 }

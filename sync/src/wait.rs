@@ -88,6 +88,9 @@ pub(crate) struct WaitNode {
     done: AtomicU8,
     /// Priority to wake a fiber at, if the sleeper asked for one.
     wake_priority: Option<Priority>,
+    /// A fiber sleeper's count of the waits it had left when it linked
+    /// the node (`WaitToken::waits_left`), copied into its `Wakeup`.
+    waits_left: Cell<u64>,
     _pinned: PhantomPinned,
 }
 
@@ -111,6 +114,7 @@ impl WaitNode {
             value: Cell::new(ptr::null_mut()),
             done: AtomicU8::new(LINKED),
             wake_priority,
+            waits_left: Cell::new(0),
             _pinned: PhantomPinned,
         }
     }
@@ -206,8 +210,9 @@ impl WaitList {
         // Last touch: after this store a thread sleeper may return and free
         // the node (a fiber sleeper, only once it runs: see `Wakeup`).
         // Release pairs with its Acquire load.
+        let waits_left = node.waits_left.get();
         node.done.store(DONE, Ordering::Release);
-        Some(Wakeup { sleeper, node })
+        Some(Wakeup { sleeper, node, waits_left })
     }
 }
 
@@ -220,6 +225,8 @@ pub(crate) struct Wakeup {
     /// cannot run (and its stack, holding the node, cannot go away) until
     /// the refusal is dropped.
     node: *const WaitNode,
+    /// The node's `waits_left`, read while it was linked (see `revoke`).
+    waits_left: u64,
 }
 
 impl Wakeup {
@@ -236,7 +243,7 @@ impl Wakeup {
             Sleeper::Thread(t) => t.unpark(),
             Sleeper::Fiber(w) => {
                 if let Err(refused) = w.try_wake() {
-                    revoke(refused, self.node, mutex, give_back);
+                    revoke(refused, self.node, self.waits_left, mutex, give_back);
                 }
             }
         }
@@ -248,13 +255,19 @@ impl Wakeup {
 /// got it (and so on, each refusal taking one sleeper off the list).
 #[cold]
 #[inline(never)]
-fn revoke<S>(mut refused: RefusedWake, mut node: *const WaitNode, mutex: &Mutex<S>, give_back: GiveBack<S>) {
+fn revoke<S>(
+    mut refused: RefusedWake,
+    mut node: *const WaitNode,
+    mut waits_left: u64,
+    mutex: &Mutex<S>,
+    give_back: GiveBack<S>,
+) {
     loop {
         // The fiber may have left this wait before the wake took it: an
         // earlier, spurious, wake ran it, it took the value and waits
         // somewhere else now (`leave_wait` on every way out of `wait`).
         // Then the value is its own, and the node is gone.
-        if !refused.still_in_wait() {
+        if !refused.still_in_wait(waits_left) {
             return;
         }
         let mut locked = mutex.lock();
@@ -275,7 +288,7 @@ fn revoke<S>(mut refused: RefusedWake, mut node: *const WaitNode, mutex: &Mutex<
             Sleeper::Thread(t) => return t.unpark(),
             Sleeper::Fiber(w) => match w.try_wake() {
                 Ok(()) => return,
-                Err(again) => (refused, node) = (again, next.node),
+                Err(again) => (refused, node, waits_left) = (again, next.node, next.waits_left),
             },
         }
     }
@@ -413,6 +426,9 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         Some(Sleeper::Fiber(w)) => Some(w.wait_token()),
         _ => None,
     };
+    if let Some(t) = token {
+        node.waits_left.set(t.waits_left());
+    }
     let is_fiber = token.is_some();
     let leave_wait = || {
         if let Some(t) = token {
