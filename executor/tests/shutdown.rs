@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{wait_for, watchdog, Flag};
+use common::{wait_for, watchdog, Flag, Stage};
 use spindle_executor::{sleep, yield_now, Executor, Priority, SpawnOptions};
 use spindle_sync::Semaphore;
 
@@ -234,19 +234,27 @@ fn drop_with_everything_at_once() {
     });
 }
 
+/// A semaphore with one fiber of a pool of `workers` asleep on it in a
+/// plain `acquire`, left there by the pool's shutdown (its join says
+/// cancelled).
+fn a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(stage: &Stage, workers: usize) -> Arc<Semaphore> {
+    let exec = Executor::builder().workers(workers).build();
+    let sem = Arc::new(Semaphore::new(0));
+    let h = {
+        let sem = Arc::clone(&sem);
+        exec.spawn(move || sem.acquire())
+    };
+    wait_for(stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+    stage.set("dropping the executor with a fiber asleep on a semaphore");
+    drop(exec);
+    assert!(h.join().expect_err("no value").is_cancelled());
+    sem
+}
+
 #[test]
 fn waking_a_fiber_after_shutdown_is_harmless() {
     watchdog("waking_a_fiber_after_shutdown_is_harmless", 30, |stage| {
-        let exec = Executor::builder().workers(1).build();
-        let sem = Arc::new(Semaphore::new(0));
-        let h = {
-            let sem = Arc::clone(&sem);
-            exec.spawn(move || sem.acquire())
-        };
-        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
-        stage.set("dropping the executor with a fiber asleep on a semaphore");
-        drop(exec);
-        assert!(h.join().expect_err("no value").is_cancelled());
+        let sem = a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(&stage, 1);
         stage.set("releasing the semaphore after shutdown");
         let leaked = spindle_fiber::leaked_stacks();
         sem.release(1);
@@ -268,16 +276,7 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
 #[test]
 fn a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token() {
     watchdog("a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token", 30, |stage| {
-        let exec = Executor::builder().workers(2).build();
-        let sem = Arc::new(Semaphore::new(0));
-        let h = {
-            let sem = Arc::clone(&sem);
-            exec.spawn(move || sem.acquire())
-        };
-        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
-        stage.set("dropping the executor with a fiber asleep on a semaphore");
-        drop(exec);
-        assert!(h.join().expect_err("no value").is_cancelled());
+        let sem = a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(&stage, 2);
         let thread = {
             let sem = Arc::clone(&sem);
             std::thread::spawn(move || sem.acquire())
