@@ -219,7 +219,7 @@ pub(crate) struct Header {
     pub(crate) wait_reason: AtomicPtr<WaitReason>,
     pub(crate) wait_location: AtomicPtr<Location<'static>>,
     /// Waits the fiber has left (`leave_wait`): written only by the fiber
-    /// itself, recorded by the `Waiter`s it makes, compared by a refused
+    /// itself, recorded by its `WaitToken`s (in its wait nodes), compared by a refused
     /// waker that holds the fiber (`RefusedWake::still_in_wait`).
     pub(crate) waits_left: AtomicU64,
 }
