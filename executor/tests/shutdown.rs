@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::{wait_for, watchdog, Flag, Stage};
 use spindle_executor::{sleep, yield_now, Executor, Priority, SpawnOptions};
+use spindle_fiber::Waiter;
 use spindle_sync::Semaphore;
 
 #[test]
@@ -238,17 +239,30 @@ fn drop_with_everything_at_once() {
 /// plain `acquire`, left there by the pool's shutdown (its join says
 /// cancelled).
 fn a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(stage: &Stage, workers: usize) -> Arc<Semaphore> {
+    let (sem, waiter) = asleep_at_shutdown_with_a_waiter(stage, workers);
+    drop(waiter);
+    sem
+}
+
+/// The same, and a `Waiter` of the fiber, taken by the fiber before it
+/// waited (a stale one for its wait).
+fn asleep_at_shutdown_with_a_waiter(stage: &Stage, workers: usize) -> (Arc<Semaphore>, Waiter) {
     let exec = Executor::builder().workers(workers).build();
     let sem = Arc::new(Semaphore::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
     let h = {
         let sem = Arc::clone(&sem);
-        exec.spawn(move || sem.acquire())
+        exec.spawn(move || {
+            tx.send(Waiter::current().unwrap()).unwrap();
+            sem.acquire()
+        })
     };
+    let waiter = rx.recv().unwrap();
     wait_for(stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
     stage.set("dropping the executor with a fiber asleep on a semaphore");
     drop(exec);
     assert!(h.join().expect_err("no value").is_cancelled());
-    sem
+    (sem, waiter)
 }
 
 #[test]
@@ -277,6 +291,27 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
 fn a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token() {
     watchdog("a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token", 30, |stage| {
         let sem = a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(&stage, 2);
+        let thread = {
+            let sem = Arc::clone(&sem);
+            std::thread::spawn(move || sem.acquire())
+        };
+        wait_for(&stage, "the thread to wait behind the fiber", || sem.waiters() == 2);
+        stage.set("releasing one token: the thread behind the fiber must get it");
+        sem.release(1);
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    });
+}
+
+/// The same with a wake that hands nothing over first (a stale waiter):
+/// the fiber's inbox refuses it, which leaves the fiber ready, in no queue
+/// and still in its wait; the release that hands it the token next is
+/// refused too and gives it on.
+#[test]
+fn a_thread_behind_a_fiber_woken_for_nothing_after_shutdown_gets_the_token() {
+    watchdog("a_thread_behind_a_fiber_woken_for_nothing_after_shutdown_gets_the_token", 30, |stage| {
+        let (sem, waiter) = asleep_at_shutdown_with_a_waiter(&stage, 2);
+        waiter.wake();
         let thread = {
             let sem = Arc::clone(&sem);
             std::thread::spawn(move || sem.acquire())

@@ -461,13 +461,16 @@ impl Waiter {
     /// fiber `Ready`, in no queue. A waker that handed the fiber something
     /// uses [`try_wake`](Waiter::try_wake) instead, to take it back.
     pub fn wake(self) {
-        // A refusal is dropped: the fiber becomes `Ready`.
-        let _ = self.try_wake();
+        // A refusal is dropped: the fiber becomes `Ready`. Nothing was
+        // handed over, so a fiber refused before is left as it is.
+        let _ = self.wake_as(false);
     }
 
     /// Wakes the fiber as [`wake`](Waiter::wake) does, and says whether its
     /// scheduler refused it ([`Schedule::schedule`] returned it: the
     /// scheduler has shut down, so the fiber will not run from there).
+    /// For wakers that handed the fiber something (a token, a message) and
+    /// take it back from a refused one.
     ///
     /// [`Schedule::schedule`]: crate::Schedule::schedule
     ///
@@ -477,17 +480,28 @@ impl Waiter {
     /// been held since this wake took it out of its sleep, and stays held
     /// until that is dropped (its state reads `Locked`): no thread has run
     /// it or can, or unwind its stack, so a waker that handed it something
-    /// (a token, a message) can take it back and hand it to someone else.
+    /// can take it back and hand it to someone else.
     /// Dropping it leaves the fiber `Ready`, in no queue; run again, it
     /// finds nothing handed over and should wait again, which
     /// `spindle-sync`'s waits do.
     ///
-    /// Only a wake that takes the fiber out of its sleep can be refused. A
-    /// wake that finds it already woken is void and returns `Ok`: in
-    /// particular, once an earlier wake that handed nothing over (a stale
-    /// `Waiter`, an interrupt of a plain wait) was refused, the fiber is
-    /// `Ready` in no queue, and a later waker's value stays with it.
+    /// A fiber whose scheduler refused an earlier wake (one that handed
+    /// nothing over: a stale `Waiter`, an interrupt of a plain wait) is
+    /// already `Ready` in no queue, though still in its wait. This wake
+    /// then finds it so, holds it, and returns a `RefusedWake` without
+    /// asking the scheduler again; that lasts until the fiber is given
+    /// another home ([`Fiber::mark_queued`](crate::Fiber::mark_queued) with
+    /// a new one, [`Fiber::set_home`](crate::Fiber::set_home)). While this
+    /// holds it, a `run` of it through a handle of its own fails with
+    /// [`FiberError::Running`](crate::FiberError::Running).
     pub fn try_wake(self) -> Result<(), RefusedWake> {
+        self.wake_as(true)
+    }
+
+    /// Waker step 3. `take_back`: the caller handed the fiber something
+    /// and takes it back from a refused fiber (see `try_wake`).
+    #[inline(always)]
+    fn wake_as(self, take_back: bool) -> Result<(), RefusedWake> {
         let h = self.header;
         std::mem::forget(self);
         // SAFETY: we own one reference, which is handed on (or comes back
@@ -499,6 +513,9 @@ impl Waiter {
                         return Err(RefusedWake { header: h });
                     }
                 }
+                WakeTransition::Void if take_back && h.as_ref().home_refused.load(Ordering::Relaxed) => {
+                    return wake_refused_before(h);
+                }
                 WakeTransition::Deferred | WakeTransition::Void => (h.as_ref().vtable.release)(h),
             }
         }
@@ -506,11 +523,41 @@ impl Waiter {
     }
 }
 
+/// `try_wake` of a fiber whose home refused a wake of it before: the fiber
+/// was found `Ready` (or in another state in which a wake is void) with
+/// the mark set. A `Ready` fiber is held and the wake refused, as its home
+/// would refuse it; if the fiber went back to sleep or runs meanwhile
+/// (a handle of its own ran it), the wake is made again.
+///
+/// # Safety
+/// The caller hands over one counted reference to the fiber.
+#[cold]
+#[inline(never)]
+unsafe fn wake_refused_before(h: NonNull<Header>) -> Result<(), RefusedWake> {
+    // SAFETY: the caller's reference keeps the header alive.
+    let header = unsafe { h.as_ref() };
+    match header.state.transition(FiberState::Ready, FiberState::Locked) {
+        // Held: the mark is written only under the hold, so this reading
+        // is exact. Cleared meanwhile (a new home, then dequeued): void.
+        Ok(()) if header.home_refused.load(Ordering::Relaxed) => return Err(RefusedWake { header: h }),
+        Ok(()) => header.state.store(FiberState::Ready),
+        Err(FiberState::Sleeping | FiberState::Running) => {
+            // SAFETY: the caller's reference goes to the waiter.
+            return unsafe { Waiter::from_owned(h) }.wake_as(true);
+        }
+        Err(_) => {}
+    }
+    // SAFETY: the caller's reference.
+    unsafe { (header.vtable.release)(h) };
+    Ok(())
+}
+
 /// A wake that the fiber's scheduler refused for good (see
 /// [`Waiter::try_wake`]). While it is held, the fiber is `Locked`, so
 /// nothing runs it or unwinds it; dropping it makes the fiber `Ready` (in
-/// no queue) and drops the reference it holds (a last reference unwinds or
-/// leaks the fiber, as any last reference does).
+/// no queue; later value-handing wakes of it are refused too, until it has
+/// another home) and drops the reference it holds (a last reference
+/// unwinds or leaks the fiber, as any last reference does).
 pub struct RefusedWake {
     header: NonNull<Header>,
 }

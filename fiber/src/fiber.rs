@@ -655,6 +655,7 @@ impl<T: Send + 'static> Fiber<T> {
             sched_data: AtomicUsize::new(0),
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
             waits_left: AtomicU64::new(0),
+            home_refused: AtomicBool::new(false),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
             interrupt: AtomicU64::new(0),
@@ -1124,6 +1125,7 @@ impl<T: Send + 'static> Fiber<T> {
             let slot = unsafe { self.slot() };
             if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
                 replaced = slot.home.replace(Arc::clone(home));
+                h.home_refused.store(false, Ordering::Relaxed);
             }
         }
         h.state.store(FiberState::Queued);
@@ -1153,7 +1155,10 @@ impl<T: Send + 'static> Fiber<T> {
         let slot = unsafe { self.slot() };
         let replaced = match (home, &slot.home) {
             (Some(new), Some(cur)) if Arc::ptr_eq(new, cur) => None,
-            _ => std::mem::replace(&mut slot.home, home.cloned()),
+            _ => {
+                h.home_refused.store(false, Ordering::Relaxed);
+                std::mem::replace(&mut slot.home, home.cloned())
+            }
         };
         h.state.store(FiberState::Ready);
         // As in `mark_queued`: the previous home goes out unlocked.
@@ -1198,7 +1203,12 @@ impl<T: Send + 'static> Fiber<T> {
                     // `Woken` at the same address (ids are never reused).
                     // Another fiber's `Woken` is let go, and this wake
                     // counts as taken: whoever kept ours decides its fate.
-                    Err(w) if w.fiber.inner == me && w.fiber.header().id == me_id => Err(w.into_held()),
+                    Err(w) if w.fiber.inner == me && w.fiber.header().id == me_id => {
+                        // Still held: later wakes of it are refused too
+                        // (`Waiter::try_wake`), until it has a new home.
+                        w.fiber.header().home_refused.store(true, Ordering::Relaxed);
+                        Err(w.into_held())
+                    }
                     Err(other) => {
                         drop(other);
                         Ok(())

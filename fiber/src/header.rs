@@ -204,6 +204,13 @@ pub(crate) struct Header {
     /// or dropping an unstarted closure panicked); never cleared. Read by
     /// the error paths of `run` and `set_function`.
     pub(crate) stackless: AtomicBool,
+    /// Set when the fiber's home refused a wake of it for good (the
+    /// scheduler shut down), cleared when it is given another home
+    /// (`mark_queued` with a new one, `set_home`); written only while its
+    /// state is held `Locked`. A value-handing wake (`Waiter::try_wake`)
+    /// that finds such a fiber `Ready` is refused too: an earlier refused
+    /// wake left it so, still in its wait, and nobody will run it.
+    pub(crate) home_refused: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
     /// The thread a pinned function is bound to once it has run (0: none,

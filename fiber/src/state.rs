@@ -19,6 +19,8 @@
 //! holds it from `Sleeping` until its home queues it (`Woken::into_queued`
 //! stores `Queued`) or refuses it; a refused waker keeps holding it while
 //! it takes back what it handed over (`RefusedWake`), then stores `Ready`.
+//! A value-handing wake of a fiber whose home refused it before
+//! (`home_refused`) takes `Ready` → `Locked` the same way, and is refused.
 //! Whoever moved the state out of `Ready`, `Sleeping`, `Empty` or `Finished`
 //! owns the fiber's slot until it stores the next state (Release); the next
 //! owner's successful CAS (Acquire) sees everything the previous one wrote.

@@ -1010,3 +1010,85 @@ fn a_refused_wake_is_held_while_the_waker_takes_its_value_back() {
 fn a_refused_wake_published_as_queued_first_is_caught() {
     model(|| refused_wake_model(true));
 }
+
+/// A value-handing wake of a fiber whose home refused an earlier wake
+/// (`Waiter::try_wake` → `wake_refused_before`), mirrored: the fiber is
+/// `Ready` in no queue, still in its wait, its node handed a value
+/// (`DONE`); the waker wakes it while a holder of a handle runs it by
+/// hand. Exactly one of them takes the value: the holder (it runs, finds
+/// `DONE` and leaves the wait) or the waker (it holds the fiber, finds it
+/// still in the wait and revokes the node). A holder that finds `REVOKED`
+/// waits again; the waker retries when its claim finds the fiber running
+/// or asleep.
+#[test]
+fn a_value_for_a_fiber_refused_before_is_taken_once() {
+    model(|| {
+        const DONE: u8 = 1;
+        const REVOKED: u8 = 2;
+        const TAKEN: u8 = 3;
+        struct Shared {
+            state: StateCell,
+            node: UnsafeCell<u8>,
+            /// `waits_left` moved on: written by the fiber, read by a
+            /// waker that holds it (`RefusedWake::still_in_wait`).
+            left: UnsafeCell<bool>,
+        }
+        let s = Arc::new(Shared {
+            state: StateCell::new(FiberState::Ready),
+            node: UnsafeCell::new(DONE),
+            left: UnsafeCell::new(false),
+        });
+        let holder = {
+            let s = s.clone();
+            thread::spawn(move || {
+                if s.state
+                    .transition(FiberState::Ready, FiberState::Running)
+                    .is_err()
+                {
+                    return false;
+                }
+                if s.node.with(|v| unsafe { *v }) == DONE {
+                    s.node.with_mut(|v| unsafe { *v = TAKEN });
+                    s.left.with_mut(|v| unsafe { *v = true });
+                    s.state.transition_to_yielded();
+                    return true;
+                }
+                // Revoked: it waits again (relinked; nobody wakes it here).
+                if s.state.transition_to_sleeping() == SleepTransition::AlreadyWoken {
+                    // The runner finishes the wake; its home refuses it.
+                    s.state.store(FiberState::Ready);
+                }
+                false
+            })
+        };
+        let mut revoked = false;
+        loop {
+            let holding = match s.state.transition_to_woken() {
+                WakeTransition::Owned => true, // its home refuses it again
+                WakeTransition::Deferred => false,
+                WakeTransition::Void => match s.state.transition(FiberState::Ready, FiberState::Locked) {
+                    Ok(()) => true,
+                    Err(FiberState::Sleeping | FiberState::Running) => continue,
+                    Err(_) => false,
+                },
+            };
+            if holding {
+                if !s.left.with(|v| unsafe { *v }) {
+                    let v = s.node.with(|v| unsafe { *v });
+                    assert_eq!(v, DONE, "revoking a node the fiber is not in");
+                    s.node.with_mut(|v| unsafe { *v = REVOKED });
+                    revoked = true;
+                }
+                s.state.store(FiberState::Ready);
+            }
+            break;
+        }
+        let took = holder.join().unwrap();
+        assert_eq!(
+            took as u8 + revoked as u8,
+            1,
+            "the value was taken {} times",
+            took as u8 + revoked as u8
+        );
+    });
+}

@@ -419,6 +419,35 @@ fn a_plain_wake_that_is_refused_leaves_the_fiber_ready() {
     });
 }
 
+/// A wake that handed nothing over was refused: the fiber is `Ready` in no
+/// queue, still in its sleep. A later `try_wake` (a waker that handed it
+/// something) is refused too, without asking the home again, until the
+/// fiber has another home; a plain `wake` of it stays void.
+#[test]
+fn a_value_wake_of_a_fiber_refused_before_is_refused_too() {
+    with_watchdog(30, "refused_before", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let waiter = asleep_with_home(&fiber, ShutDown { pokes: false });
+        fiber.waiter().wake(); // refused, nothing handed over
+        assert_eq!(fiber.state(), FiberState::Ready);
+
+        fiber.waiter().wake();
+        assert_eq!(fiber.state(), FiberState::Ready, "a plain wake of it is void");
+
+        let refused = waiter.try_wake().expect_err("refused as its home refused");
+        assert_eq!(refused.id(), fiber.id());
+        assert_eq!(fiber.state(), FiberState::Locked, "held while the refusal is");
+        assert!(matches!(fiber.run(), Err(FiberError::Running(_))));
+        drop(refused);
+        assert_eq!(fiber.state(), FiberState::Ready);
+
+        fiber.set_home(None).unwrap();
+        assert!(fiber.waiter().try_wake().is_ok(), "a new home: no longer refused");
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
+    });
+}
+
 /// `RefusedWake::still_in_wait`: true while the fiber has left no wait
 /// (`leave_wait`) since its `WaitToken` recorded the count; false once it
 /// has.

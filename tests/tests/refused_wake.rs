@@ -82,6 +82,54 @@ fn a_thread_waiting_behind_a_refused_fiber_gets_the_token() {
     });
 }
 
+/// A wake that hands nothing over (an interrupt of a plain wait) is
+/// refused first: the orphan is left `Ready`, in no queue, still in its
+/// wait. The release that then hands it the token must find it refused
+/// too and pass the token on, for a fiber and for a channel receiver.
+/// (Before, that wake found the fiber `Ready` and was void: the token or
+/// message stayed with a fiber nobody would run, and the thread behind it
+/// waited for ever.)
+#[test]
+fn a_value_for_a_fiber_refused_by_an_earlier_empty_wake_goes_to_the_next_waiter() {
+    watchdog("a_value_for_a_fiber_refused_by_an_earlier_empty_wake_goes_to_the_next_waiter", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || s.acquire());
+        asleep_with_its_queue_gone(&orphan);
+        orphan.interrupt(); // a plain wait: a spurious wake, refused
+        assert_eq!(orphan.state(), FiberState::Ready, "refused: ready, in no queue");
+        assert_eq!(sem.waiters(), 1, "and still in its wait");
+
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire());
+        stage.set("waiting for the thread to wait behind the orphan");
+        spin_until(|| sem.waiters() == 2);
+        stage.set("releasing one token: the thread behind the orphan must get it");
+        sem.release(1);
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        assert_eq!(orphan.state(), FiberState::Ready);
+
+        stage.set("running the orphan by hand: it took nothing, so it waits again");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        assert_eq!(sem.waiters(), 1);
+        sem.release(1);
+        assert_eq!((sem.available(), sem.waiters()), (1, 0), "refused again: the token is counted");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(()))));
+        assert_eq!(sem.available(), 0);
+
+        stage.set("the same for a receiver on a channel");
+        let chan = Arc::new(Channel::<u32>::new());
+        let c = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || c.pop().into_inner());
+        asleep_with_its_queue_gone(&orphan);
+        orphan.interrupt();
+        chan.push(Msg::new(7));
+        assert_eq!((chan.len(), chan.receivers()), (1, 0), "the message went back to the channel");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(7))), "run by hand, it takes it");
+    });
+}
+
 #[test]
 fn a_message_handed_to_a_refused_receiver_goes_to_the_next_one_or_back_to_the_channel() {
     watchdog(
