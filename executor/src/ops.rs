@@ -120,12 +120,23 @@ pub fn yield_if_needed() {
 /// large for a deadline (`Duration::MAX`) sleeps until woken
 /// ([`JoinHandle::wake`](crate::JoinHandle::wake)), cancelled or shut
 /// down, and while it sleeps its timer keeps deadlock detection off, as
-/// any pending timer does. A cancelled fiber unwinds here.
+/// any pending timer does. A cancelled fiber unwinds here; where it cannot
+/// (in a destructor running during its unwind, or while a shutdown drops
+/// it), a cancel or shutdown ends the sleep at once.
 #[track_caller]
 pub fn sleep(d: Duration) {
-    if timed_wait(deadline_after(d), &SLEEPING).is_none() {
+    if timed_wait(deadline_after(d), &SLEEPING).is_none() && !dropped_on_a_worker() {
         std::thread::sleep(d);
     }
+}
+
+/// In a fiber whose stack a worker thread unwinds because it was dropped
+/// (the final drain of a shutdown drops what it cancelled): the timed waits
+/// (`sleep`, `sleep_until`, `yield_timeout`) return at once there, as they
+/// do for a fiber that was shut down, instead of blocking the worker, which
+/// the shutdown waits for.
+fn dropped_on_a_worker() -> bool {
+    spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() && current_worker().is_some()
 }
 
 /// `now + d`, or, for a `d` too large to add (`Duration::MAX`), a deadline
@@ -158,7 +169,7 @@ fn deadline_after(d: Duration) -> Instant {
 /// ```
 #[track_caller]
 pub fn sleep_until(deadline: Instant) {
-    if timed_wait(deadline, &SLEEPING).is_none() {
+    if timed_wait(deadline, &SLEEPING).is_none() && !dropped_on_a_worker() {
         std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
     }
 }
@@ -166,11 +177,15 @@ pub fn sleep_until(deadline: Instant) {
 /// Sleeps until woken by [`JoinHandle::wake`] or until `d` passes
 /// (Tarantool's `fiber_yield_timeout`). Returns `true` if the time ran out.
 /// On an ordinary thread, sleeps for `d` and returns `true`. A cancelled
-/// fiber unwinds here.
+/// fiber unwinds here; where it cannot (a destructor running during its
+/// unwind, or at shutdown), a cancel or shutdown ends the wait at once,
+/// as a wake does (`false`).
 #[track_caller]
 pub fn yield_timeout(d: Duration) -> bool {
     match timed_wait(deadline_after(d), &YIELD_TIMEOUT) {
         Some(timed_out) => timed_out,
+        // Ended by the shutdown, as a wake ends it: not timed out.
+        None if dropped_on_a_worker() => false,
         None => {
             std::thread::sleep(d);
             true
@@ -196,8 +211,13 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
     let task_ref = unsafe { TaskRef::clone_raw(raw) };
     let timer = w.shared.timers.add(deadline, generation, task_ref);
     w.shared.sysmon_unparker.unpark();
-    // A cancel between publishing the waiter and here wakes us at once.
-    if task.cancelled.load(Ordering::Acquire) {
+    // A cancel between publishing the waiter and here wakes us at once, and
+    // so does a shutdown: a fiber unwinding for it (a destructor that
+    // sleeps) may register its timer after the shutdown fired every timer,
+    // and sysmon may have stopped before its deadline. (The shutdown sets
+    // its flag before it fires the timers, under the timers' lock: if this
+    // reads it unset, the firing finds this timer.)
+    if task.cancelled.load(Ordering::Acquire) || w.shared.shutdown.load(Ordering::SeqCst) {
         if let Some(waiter) = task.sleep.lock().waiter.take() {
             waiter.wake();
         }

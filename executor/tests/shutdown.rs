@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{wait_for, watchdog, Flag, Stage};
-use spindle_executor::{sleep, yield_now, Executor, Priority, SpawnOptions};
+use spindle_executor::{sleep, yield_now, yield_timeout, Executor, Priority, SpawnOptions};
 use spindle_fiber::Waiter;
 use spindle_sync::Semaphore;
 
@@ -321,6 +321,47 @@ fn a_thread_behind_a_fiber_woken_for_nothing_after_shutdown_gets_the_token() {
         sem.release(1);
         thread.join().unwrap();
         assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    });
+}
+
+/// The final drain cancels a fiber asleep in `join` (on a fiber asleep on
+/// a semaphore nobody releases) and drops it, so its stack is unwound on
+/// the worker; a destructor there that sleeps (`Duration::MAX`: until
+/// woken, cancelled or shut down) must return at once rather than block
+/// the worker that the shutdown waits for. (From a review: it slept the
+/// worker thread for good, and the executor's drop never returned.)
+#[test]
+fn a_destructor_that_sleeps_in_a_fiber_dropped_by_the_final_drain_returns() {
+    watchdog("a_destructor_that_sleeps_in_a_fiber_dropped_by_the_final_drain_returns", 30, |stage| {
+        struct SleepsOnDrop(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for SleepsOnDrop {
+            fn drop(&mut self) {
+                sleep(Duration::MAX);
+                assert!(!yield_timeout(Duration::MAX), "not woken: shut down");
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let stuck = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || sem.acquire())
+        };
+        wait_for(&stage, "the first fiber to wait on the semaphore", || sem.waiters() == 1);
+        let dropped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let joiner = {
+            let guard = SleepsOnDrop(dropped.clone());
+            exec.spawn(move || {
+                let _guard = guard;
+                let _ = stuck.join();
+            })
+        };
+        // One worker: once this has run, the joiner is asleep in `join`.
+        exec.spawn(|| ()).join().unwrap();
+        stage.set("dropping the executor: the drain unwinds the joiner, whose destructor sleeps");
+        drop(exec);
+        assert!(joiner.join().expect_err("no value").is_cancelled());
+        assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 1, "the destructor ran to its end");
     });
 }
 
