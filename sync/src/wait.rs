@@ -18,7 +18,8 @@
 //!    wake itself; a thread parks until the node's `done` flag is set;
 //! 5. once resumed, read the value the waker left in the node (`DONE`); if
 //!    the waker took it back (`REVOKED`, waker step 4), take what is there
-//!    now or link the node again and sleep again.
+//!    now (even with an interrupt pending) or link the node again and sleep
+//!    again.
 //!
 //! Waker:
 //!
@@ -31,8 +32,9 @@
 //!    and hands it to its home, which queues it (`Ready` if it has none),
 //!    or `Running` → `RunningWoken` when the sleeper is between its steps 3
 //!    and 4 (its runner then queues it); for a thread, unpark;
-//! 4. if the fiber's home refused it for good (shut down), the fiber is
-//!    still held (`Locked`, not run since step 3): lock, mark the node
+//! 4. if the fiber's home refused it for good (shut down), now or at an
+//!    earlier wake (then `try_wake` finds it `Ready` and holds it), the
+//!    fiber is still held (`Locked`, not run since): lock, mark the node
 //!    `REVOKED`, take the value back and give it on ([`GiveBack`]), unlock,
 //!    let the fiber go (`Ready`), and wake whoever got the value the same
 //!    way ([`Wakeup::deliver`]).
@@ -469,6 +471,20 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 leave_wait();
                 break;
             }
+            if done == REVOKED {
+                // A waker handed us a value, our scheduler refused the
+                // wake, and the waker gave the value to someone else.
+                // Something ran us anyway: start over. What is there now
+                // is ours, before an interrupt, as on the way in (an
+                // interrupt stays pending then); else wait again, at the
+                // tail, unless interrupted.
+                if let Some(value) = take_now(&mut locked) {
+                    drop(locked);
+                    std::mem::forget(linked);
+                    leave_wait();
+                    return Ok(value);
+                }
+            }
             // Linked (or revoked: unlinked), and no waker can reach the
             // node while we hold the lock: an interrupt takes it off the
             // list (the node's waiter is dropped with the node).
@@ -483,16 +499,6 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 return Err(Interrupted);
             }
             if done == REVOKED {
-                // A waker handed us a value, our scheduler refused the
-                // wake, and the waker gave the value to someone else.
-                // Something ran us anyway: start over (what is there now
-                // is ours, else wait again, at the tail).
-                if let Some(value) = take_now(&mut locked) {
-                    drop(locked);
-                    std::mem::forget(linked);
-                    leave_wait();
-                    return Ok(value);
-                }
                 // SAFETY: the node is this frame's, unlinked and pinned.
                 unsafe { relink(&node, list(&mut locked)) };
             }

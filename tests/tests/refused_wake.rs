@@ -82,6 +82,35 @@ fn a_thread_waiting_behind_a_refused_fiber_gets_the_token() {
     });
 }
 
+/// A refused fiber in an interruptible wait, interrupted and then run by
+/// hand with its token back in the count: it takes the token, as an
+/// interruptible wait takes one that is there on the way in, and the
+/// interrupt stays pending. (From a review: it returned `Interrupted`
+/// with the token available.)
+#[test]
+fn a_refused_interruptible_wait_takes_a_token_that_is_there_before_an_interrupt() {
+    watchdog("a_refused_interruptible_wait_takes_a_token_that_is_there_before_an_interrupt", 30, |_stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || {
+            let first = s.acquire_interruptible();
+            (first, spindle_fiber::take_interrupt())
+        });
+        asleep_with_its_queue_gone(&orphan);
+        sem.release(1); // refused: the token goes back to the count
+        assert_eq!(sem.available(), 1);
+        orphan.interrupt(); // `Ready`: only the mark
+        match orphan.run() {
+            Ok(RunOutcome::Returned((first, pending))) => {
+                assert_eq!(first, Ok(()), "the token that was there is taken");
+                assert!(pending, "the interrupt is still pending");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(sem.available(), 0);
+    });
+}
+
 /// A wake that hands nothing over (an interrupt of a plain wait) is
 /// refused first: the orphan is left `Ready`, in no queue, still in its
 /// wait. The release that then hands it the token must find it refused
