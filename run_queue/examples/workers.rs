@@ -6,12 +6,19 @@
 //!
 //! One producer fiber sends numbers down a channel; consumer fibers sum
 //! them, yielding now and then, and report their sums on a second channel
-//! that the main thread (an ordinary thread) reads. Every fiber is set up
+//! that the main thread (an ordinary thread) reads. A semaphore of credits
+//! bounds how far the producer runs ahead: it sleeps when they run out and
+//! a consumer's release wakes it, and consumers sleep on the empty channel
+//! until a push wakes them, so the queue's wake count is rarely zero. Every fiber is set up
 //! with the safe `set_function`, so it is pinned to the worker that first
-//! runs it: the workers start before the fibers are pushed (so that the
-//! fibers spread over them), keep popping until every fiber has finished,
-//! and only then stop (a worker that stopped earlier would strand the
-//! fibers pinned to it).
+//! runs it: the workers start before the fibers are pushed (so that any
+//! of them may take a fiber's first run), keep popping until every fiber
+//! has finished, and only then stop (a worker that stopped earlier would
+//! strand the fibers pinned to it). Which worker takes which fiber is up
+//! to timing, and the fiber stays there: on two cores one worker often
+//! takes them all, and the other only sets aside what it may not run (the
+//! crate docs, "Pinning also decides the balance"; migratable fibers, set
+//! with the `unsafe` `set_function_migratable`, may run on any worker).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -19,11 +26,13 @@ use std::time::Duration;
 
 use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
-use spindle_sync::{Channel, Msg};
+use spindle_sync::{Channel, Msg, Semaphore};
 
 const WORKERS: usize = 2;
 const CONSUMERS: usize = 6;
 const NUMBERS: u64 = 10_000;
+/// Numbers the producer may push before a consumer has taken them.
+const CREDITS: usize = 32;
 
 fn main() {
     if std::env::args().len() > 1 {
@@ -33,9 +42,10 @@ fn main() {
     let queue = RunQueue::new(CONSUMERS + 1);
     let numbers = Arc::new(Channel::<Option<u64>>::new());
     let sums = Arc::new(Channel::<u64>::new());
+    let credits = Arc::new(Semaphore::new(CREDITS));
 
     // The workers start first: a pinned fiber stays with the worker that
-    // ran it first, and fibers pushed before the workers start could all
+    // ran it first, and fibers pushed before the workers start would all
     // go to whichever wakes first.
     let finished = Arc::new(AtomicUsize::new(0));
     let workers: Vec<_> = (0..WORKERS)
@@ -69,14 +79,14 @@ fn main() {
 
     // The producer: every number, then one stop message per consumer.
     let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
-    let tx = numbers.clone();
+    let (tx, credit) = (numbers.clone(), credits.clone());
     producer
         .set_function(Priority::HIGHEST, move || {
             for n in 1..=NUMBERS {
+                // Sleeps while the consumers are `CREDITS` numbers behind;
+                // the first release wakes it back onto the queue.
+                credit.acquire();
                 tx.push(Msg::new(Some(n)));
-                if n % 100 == 0 {
-                    yield_now(); // let the consumers catch up
-                }
             }
             for _ in 0..CONSUMERS {
                 tx.push(Msg::new(None));
@@ -87,14 +97,18 @@ fn main() {
 
     for i in 0..CONSUMERS {
         let consumer = Fiber::new(FiberAttr::new().name(format!("consumer {i}"))).unwrap();
-        let (rx, out) = (numbers.clone(), sums.clone());
+        let (rx, out, credit) = (numbers.clone(), sums.clone(), credits.clone());
         consumer
             .set_function(Priority::NORMAL, move || {
                 let mut sum = 0;
                 // `pop` puts the fiber to sleep while the channel is empty;
                 // the producer's push wakes it back onto the queue.
                 while let Some(n) = rx.pop().into_inner() {
+                    credit.release(1);
                     sum += n;
+                    if n % 64 == 0 {
+                        yield_now(); // give the other consumers a turn
+                    }
                 }
                 out.push(Msg::new(sum));
             })

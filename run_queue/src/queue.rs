@@ -274,7 +274,8 @@ impl<T> fmt::Display for PushError<T> {
                  only after that",
                 fiber.id()
             ),
-            PushError::NotReady(fiber, e) => write!(f, "fiber {} cannot be queued: {e}", fiber.id()),
+            // The fiber's own message names it already.
+            PushError::NotReady(_, e) => write!(f, "cannot be queued: {e}"),
         }
     }
 }

@@ -196,9 +196,12 @@ fn fibers_that_are_not_runnable_are_refused() {
         // Without a function.
         let empty = Fiber::<&'static str>::new(Default::default()).unwrap();
         match queue.try_push(empty.clone()) {
-            Err(PushError::NotReady(back, FiberError::NoFunction(id))) => {
-                assert!(Fiber::ptr_eq(&back, &empty));
-                assert_eq!(id, empty.id());
+            Err(e @ PushError::NotReady(_, FiberError::NoFunction(_))) => {
+                let msg = e.to_string();
+                let id = empty.id().to_string();
+                assert_eq!(msg.matches(&id).count(), 1, "the fiber named once: {msg}");
+                assert!(msg.contains("set_function"), "{msg}");
+                assert!(Fiber::ptr_eq(&e.into_fiber(), &empty));
             }
             other => panic!("pushing a fiber without a function gave {other:?}"),
         }
