@@ -110,6 +110,7 @@ impl Builder {
     /// # Panics
     ///
     /// If `n` is more than [`MAX_WORKERS`].
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn workers(mut self, n: usize) -> Builder {
         assert!(n <= MAX_WORKERS, "spindle-executor: Builder::workers({n}): at most {MAX_WORKERS} workers");
         self.workers = Some(n.max(1));
@@ -123,6 +124,7 @@ impl Builder {
     /// # Panics
     ///
     /// If `n` is more than [`MAX_WORKERS`].
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn max_workers(mut self, n: usize) -> Builder {
         assert!(
             n <= MAX_WORKERS,
@@ -142,6 +144,7 @@ impl Builder {
     /// If `bytes` is outside
     /// [`MIN_STACK_SIZE`](spindle_fiber::MIN_STACK_SIZE)`..=`[`MAX_STACK_SIZE`](spindle_fiber::MAX_STACK_SIZE):
     /// no fiber could be created, and every spawn would wait forever.
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn stack_size(mut self, bytes: usize) -> Builder {
         assert!(
             (spindle_fiber::MIN_STACK_SIZE..=spindle_fiber::MAX_STACK_SIZE).contains(&bytes),
@@ -159,6 +162,7 @@ impl Builder {
     /// # Panics
     ///
     /// If `d` is zero (sysmon would spin).
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn sysmon_interval(mut self, d: Duration) -> Builder {
         assert!(
             !d.is_zero(),
@@ -170,6 +174,7 @@ impl Builder {
 
     /// How long a worker may go without a heartbeat while work is pending
     /// before sysmon adds workers (default 250 µs).
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn stuck_threshold(mut self, d: Duration) -> Builder {
         self.stuck_threshold = d;
         self
@@ -181,6 +186,7 @@ impl Builder {
     /// so the flag comes between one and one and a half slices after the
     /// fiber's worker last switched. A long slice does not slow stuck
     /// detection or deadlock detection.
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn time_slice(mut self, d: Duration) -> Builder {
         self.time_slice = d;
         self
@@ -189,12 +195,14 @@ impl Builder {
     /// How long an extra worker stays idle before it retires (default
     /// 100 ms). Extra workers retire from the highest down, each once it
     /// has been idle this long.
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn idle_retire(mut self, d: Duration) -> Builder {
         self.idle_retire = d;
         self
     }
 
     /// What deadlock detection does (default: fail the join).
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn on_deadlock(mut self, action: OnDeadlock) -> Builder {
         self.on_deadlock = action;
         self
@@ -204,6 +212,7 @@ impl Builder {
     /// join or waiting in a scope, every worker parked, nothing queued, no timer pending, no
     /// heartbeat) before it is reported (default 1 s). See [`OnDeadlock`]
     /// for what detection cannot see.
+    #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn deadlock_grace(mut self, d: Duration) -> Builder {
         self.deadlock_grace = d;
         self

@@ -90,6 +90,7 @@ impl SpawnOptions {
     }
 
     /// A name, shown in panic reports, join errors and deadlock reports.
+    #[must_use = "SpawnOptions is a builder: pass the returned value to spawn_with"]
     pub fn name(mut self, name: impl Into<Arc<str>>) -> SpawnOptions {
         self.name = Some(name.into());
         self
@@ -98,6 +99,7 @@ impl SpawnOptions {
     /// The fiber's priority. The executor schedules by three classes, not
     /// by every level: high (192 and up), normal, and low (below 64); a
     /// worker always takes work of a higher class first, FIFO within one.
+    #[must_use = "SpawnOptions is a builder: pass the returned value to spawn_with"]
     pub fn priority(mut self, p: Priority) -> SpawnOptions {
         self.priority = p;
         self

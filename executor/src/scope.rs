@@ -134,6 +134,10 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
     /// Waits for the fiber; see [`JoinHandle::join`]. A panic or
     /// cancellation returned here is reported: the scope need not panic
     /// for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`JoinHandle::join`]: the fiber panicked or was cancelled.
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
         self.inner.join()

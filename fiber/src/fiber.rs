@@ -695,11 +695,14 @@ impl<T: Send + 'static> Fiber<T> {
     /// out by yielding ([`yield_value`](crate::yield_value)) or through
     /// that shared state.
     ///
-    /// Errors: [`FiberError::Busy`] while a started function is suspended,
+    /// # Errors
+    ///
+    /// [`FiberError::Busy`] while a started function is suspended,
     /// [`FiberError::Running`], [`FiberError::Queued`] or
     /// [`FiberError::Sleeping`] while it runs, waits in a queue or sleeps,
     /// and [`FiberError::NoStack`] for a fiber that lost its stack when it
-    /// was dropped mid-function.
+    /// was dropped mid-function. The fiber is left as it was, and `f` is
+    /// dropped.
     ///
     /// # Panics
     ///
@@ -717,6 +720,10 @@ impl<T: Send + 'static> Fiber<T> {
 
     /// Like [`set_function`](Fiber::set_function), but the function may be
     /// resumed on any thread after a suspension.
+    ///
+    /// # Errors
+    ///
+    /// As [`set_function`](Fiber::set_function).
     ///
     /// # Safety
     ///

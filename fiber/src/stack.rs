@@ -69,6 +69,14 @@ pub struct FiberStack {
 impl FiberStack {
     /// Maps a new stack with `usable` bytes (rounded up to whole pages) plus
     /// one guard page.
+    ///
+    /// # Errors
+    ///
+    /// [`StackError::TooSmall`] or [`StackError::TooLarge`] for a size out
+    /// of range (nothing is mapped); [`StackError::OutOfMemory`] when the
+    /// kernel has no memory, address space or mappings left for it (the
+    /// message says which limit is likely); [`StackError::Map`] for any
+    /// other failure of `mmap` or `mprotect`.
     pub fn new(usable: usize) -> Result<FiberStack, StackError> {
         let usable = checked_size(usable)?;
         let page = page_size();
@@ -263,6 +271,11 @@ impl StackPool {
     /// fresh mapping. If the mapping fails for lack of memory, address
     /// space or mappings while the pool keeps idle stacks (of other
     /// sizes), those are unmapped and the mapping is tried once more.
+    ///
+    /// # Errors
+    ///
+    /// As [`FiberStack::new`]: a size out of range, or a mapping that
+    /// failed again after the idle stacks were unmapped.
     pub fn take(&self, usable: usize) -> Result<FiberStack, StackError> {
         let usable = checked_size(usable)?;
         {
