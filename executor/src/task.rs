@@ -196,9 +196,18 @@ impl fmt::Display for JoinError {
     }
 }
 
+/// The variant, then the message (`Display`), so that an `unwrap` of a
+/// join reads as a sentence and still says which case it was:
+/// `Panicked: fiber 'worker' (#3) panicked: oops`.
 impl fmt::Debug for JoinError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
+        let variant = match self {
+            JoinError::Panicked { .. } => "Panicked",
+            JoinError::Cancelled { .. } => "Cancelled",
+            JoinError::Deadlock { .. } => "Deadlock",
+            JoinError::NoStack { .. } => "NoStack",
+        };
+        write!(f, "{variant}: {self}")
     }
 }
 

@@ -26,6 +26,12 @@ fn handles_and_errors_say_what_they_are() {
         assert_eq!(not_started.to_string(), "a fiber that had not started was cancelled before it finished (by a cancel on its handle, or by the executor's shutdown)");
         let named = JoinError::Cancelled { fiber: None, name: Some("job".into()) };
         assert_eq!(named.to_string(), "fiber 'job' (not started) was cancelled before it finished (by a cancel on its handle, or by the executor's shutdown)");
-        assert_eq!(format!("{named:?}"), named.to_string());
+        assert_eq!(format!("{named:?}"), format!("Cancelled: {named}"), "the variant, then the message");
+        let panicked = exec
+            .spawn_with(SpawnOptions::new().name("panicker"), || -> u32 { panic!("oops") })
+            .join()
+            .expect_err("it panicked");
+        let shown = format!("{panicked:?}");
+        assert!(shown.starts_with("Panicked: fiber 'panicker'") && shown.ends_with("oops"), "{shown}");
     });
 }
