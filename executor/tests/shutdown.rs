@@ -237,14 +237,7 @@ fn drop_with_everything_at_once() {
 
 /// A semaphore with one fiber of a pool of `workers` asleep on it in a
 /// plain `acquire`, left there by the pool's shutdown (its join says
-/// cancelled).
-fn a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(stage: &Stage, workers: usize) -> Arc<Semaphore> {
-    let (sem, waiter) = asleep_at_shutdown_with_a_waiter(stage, workers);
-    drop(waiter);
-    sem
-}
-
-/// The same, and a `Waiter` of the fiber, taken by the fiber before it
+/// cancelled), and a `Waiter` of the fiber, taken by the fiber before it
 /// waited (a stale one for its wait).
 fn asleep_at_shutdown_with_a_waiter(stage: &Stage, workers: usize) -> (Arc<Semaphore>, Waiter) {
     let exec = Executor::builder().workers(workers).build();
@@ -268,7 +261,9 @@ fn asleep_at_shutdown_with_a_waiter(stage: &Stage, workers: usize) -> (Arc<Semap
 #[test]
 fn waking_a_fiber_after_shutdown_is_harmless() {
     watchdog("waking_a_fiber_after_shutdown_is_harmless", 30, |stage| {
-        let sem = a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(&stage, 1);
+        // (The waiter is dropped at once: the fiber's last reference is then
+        // the one its wait node holds.)
+        let sem = asleep_at_shutdown_with_a_waiter(&stage, 1).0;
         stage.set("releasing the semaphore after shutdown");
         let leaked = spindle_fiber::leaked_stacks();
         sem.release(1);
@@ -290,16 +285,7 @@ fn waking_a_fiber_after_shutdown_is_harmless() {
 #[test]
 fn a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token() {
     watchdog("a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token", 30, |stage| {
-        let sem = a_fiber_left_asleep_on_a_semaphore_by_a_shutdown(&stage, 2);
-        let thread = {
-            let sem = Arc::clone(&sem);
-            std::thread::spawn(move || sem.acquire())
-        };
-        wait_for(&stage, "the thread to wait behind the fiber", || sem.waiters() == 2);
-        stage.set("releasing one token: the thread behind the fiber must get it");
-        sem.release(1);
-        thread.join().unwrap();
-        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        a_thread_behind_a_fiber_left_asleep_at_shutdown_gets_the_token(&stage, false);
     });
 }
 
@@ -310,18 +296,26 @@ fn a_thread_waiting_behind_a_fiber_left_asleep_at_shutdown_gets_the_token() {
 #[test]
 fn a_thread_behind_a_fiber_woken_for_nothing_after_shutdown_gets_the_token() {
     watchdog("a_thread_behind_a_fiber_woken_for_nothing_after_shutdown_gets_the_token", 30, |stage| {
-        let (sem, waiter) = asleep_at_shutdown_with_a_waiter(&stage, 2);
-        waiter.wake();
-        let thread = {
-            let sem = Arc::clone(&sem);
-            std::thread::spawn(move || sem.acquire())
-        };
-        wait_for(&stage, "the thread to wait behind the fiber", || sem.waiters() == 2);
-        stage.set("releasing one token: the thread behind the fiber must get it");
-        sem.release(1);
-        thread.join().unwrap();
-        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        a_thread_behind_a_fiber_left_asleep_at_shutdown_gets_the_token(&stage, true);
     });
+}
+
+fn a_thread_behind_a_fiber_left_asleep_at_shutdown_gets_the_token(stage: &Stage, woken_for_nothing: bool) {
+    let (sem, waiter) = asleep_at_shutdown_with_a_waiter(stage, 2);
+    if woken_for_nothing {
+        waiter.wake();
+    } else {
+        drop(waiter);
+    }
+    let thread = {
+        let sem = Arc::clone(&sem);
+        std::thread::spawn(move || sem.acquire())
+    };
+    wait_for(stage, "the thread to wait behind the fiber", || sem.waiters() == 2);
+    stage.set("releasing one token: the thread behind the fiber must get it");
+    sem.release(1);
+    thread.join().unwrap();
+    assert_eq!((sem.available(), sem.waiters()), (0, 0));
 }
 
 /// The final drain cancels a fiber asleep in `join` (on a fiber asleep on
