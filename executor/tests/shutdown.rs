@@ -572,3 +572,75 @@ fn a_joiner_woken_by_another_workers_drain_is_unwound_on_its_own() {
         );
     });
 }
+
+/// A fiber a task drives by hand, dropped while suspended on a worker
+/// thread with no shutdown under way: a timed wait in its destructor
+/// sleeps the thread, as on any thread. (From a review: the fix for the
+/// final drain made it return at once there too.)
+#[test]
+fn a_destructor_that_sleeps_in_a_fiber_dropped_by_a_task_sleeps() {
+    use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
+    watchdog("a_destructor_that_sleeps_in_a_fiber_dropped_by_a_task_sleeps", 30, |_stage| {
+        struct SleepsOnDrop(Arc<std::sync::Mutex<Option<(Duration, bool)>>>);
+        impl Drop for SleepsOnDrop {
+            fn drop(&mut self) {
+                let t = std::time::Instant::now();
+                sleep(Duration::from_millis(20));
+                let slept = t.elapsed();
+                let timed_out = yield_timeout(Duration::from_millis(1));
+                *self.0.lock().unwrap() = Some((slept, timed_out));
+            }
+        }
+        let exec = Executor::builder().workers(1).build();
+        let (slept, timed_out) = exec
+            .block_on(|| {
+                let out = Arc::new(std::sync::Mutex::new(None));
+                let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+                let guard = SleepsOnDrop(out.clone());
+                fiber
+                    .set_function(Priority::NORMAL, move || {
+                        let _guard = guard;
+                        spindle_fiber::yield_now();
+                    })
+                    .unwrap();
+                assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(_))));
+                drop(fiber); // unwound here, on the worker
+                let got = out.lock().unwrap().take();
+                got.expect("the destructor ran")
+            })
+            .unwrap();
+        assert!(slept >= Duration::from_millis(20), "sleep(20 ms) returned after {slept:?}");
+        assert!(timed_out, "yield_timeout ran out: nothing woke it");
+    });
+}
+
+/// After a shutdown, a stale waiter's wake (refused) and a release at the
+/// same time, many rounds: the token always ends up in the count, not
+/// with the fiber nobody runs. (From a review: it stayed with the fiber in
+/// most rounds when the two overlapped.)
+#[test]
+fn a_release_racing_a_stale_wake_after_shutdown_keeps_the_token() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    watchdog("a_release_racing_a_stale_wake_after_shutdown_keeps_the_token", 120, |stage| {
+        for round in 0..200 {
+            stage.set(format!("round {round}"));
+            let (sem, waiter) = asleep_at_shutdown_with_a_waiter(&stage, 1);
+            let (ready, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+            let (r, g) = (ready.clone(), go.clone());
+            let t = std::thread::spawn(move || {
+                r.store(true, Ordering::Release);
+                while !g.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                waiter.wake();
+            });
+            while !ready.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            go.store(true, Ordering::Release);
+            sem.release(1);
+            t.join().unwrap();
+            assert_eq!(sem.available(), 1, "round {round}: the token stayed with the shut-down fiber");
+        }
+    });
+}

@@ -458,8 +458,10 @@ impl Waiter {
     /// fiber here, as dropping any last reference does.
     ///
     /// A wake the fiber's scheduler refuses (it has shut down) leaves the
-    /// fiber `Ready`, in no queue. A waker that handed the fiber something
-    /// uses [`try_wake`](Waiter::try_wake) instead, to take it back.
+    /// fiber `Ready`, in no queue, after the hook of the wait it is in
+    /// ([`WaitHook`]) took back whatever a primitive handed it there. A
+    /// waker that handed the fiber something uses
+    /// [`try_wake`](Waiter::try_wake) instead, to hand it on from there.
     pub fn wake(self) {
         // A refusal is dropped: the fiber becomes `Ready`. Nothing was
         // handed over, so a fiber refused before is left as it is.
@@ -469,8 +471,7 @@ impl Waiter {
     /// Wakes the fiber as [`wake`](Waiter::wake) does, and says whether its
     /// scheduler refused it ([`Schedule::schedule`] returned it: the
     /// scheduler has shut down, so the fiber will not run from there).
-    /// For wakers that handed the fiber something (a token, a message) and
-    /// take it back from a refused one.
+    /// For wakers that handed the fiber something (a token, a message).
     ///
     /// [`Schedule::schedule`]: crate::Schedule::schedule
     ///
@@ -478,22 +479,25 @@ impl Waiter {
     ///
     /// [`RefusedWake`] if the scheduler refused the fiber. The fiber has
     /// been held since this wake took it out of its sleep, and stays held
-    /// until that is dropped (its state reads `Locked`): no thread has run
-    /// it or can, or unwind its stack, so a waker that handed it something
-    /// can take it back and hand it to someone else.
-    /// Dropping it leaves the fiber `Ready`, in no queue; run again, it
-    /// finds nothing handed over and should wait again, which
-    /// `spindle-sync`'s waits do.
+    /// until that is let go of (its state reads `Locked`): no thread has
+    /// run it or can, or unwind its stack. Letting go
+    /// ([`RefusedWake::take_back`], or dropping it) runs the hook of the
+    /// wait the fiber is in, which takes back what its primitive handed the
+    /// fiber there and hands it on; the fiber is left `Ready`, in no
+    /// queue, and, run again, finds nothing handed over and waits again.
     ///
-    /// A fiber whose scheduler refused an earlier wake (one that handed
-    /// nothing over: a stale `Waiter`, an interrupt of a plain wait) is
-    /// already `Ready` in no queue, though still in its wait. This wake
-    /// then finds it so, holds it, and returns a `RefusedWake` without
-    /// asking the scheduler again; that lasts until the fiber is given
-    /// another home ([`Fiber::mark_queued`](crate::Fiber::mark_queued) with
-    /// a new one, [`Fiber::set_home`](crate::Fiber::set_home)). While this
-    /// holds it, a `run` of it through a handle of its own fails with
-    /// [`FiberError::Running`](crate::FiberError::Running).
+    /// A fiber whose scheduler refused an earlier wake (a stale `Waiter`'s,
+    /// an interrupt's) is already `Ready` in no queue, maybe still in its
+    /// wait. This wake then finds it so, holds it, and returns a
+    /// `RefusedWake` without asking the scheduler again; that lasts until
+    /// the fiber is given another home
+    /// ([`Fiber::mark_queued`](crate::Fiber::mark_queued) with a new one,
+    /// [`Fiber::set_home`](crate::Fiber::set_home)). While this holds it, a
+    /// `run` of it through a handle of its own fails with
+    /// [`FiberError::Running`](crate::FiberError::Running). A wake that
+    /// finds the fiber held by someone else returns `Ok`: whoever holds it
+    /// queues it (it then runs and finds the value) or lets go of it
+    /// through the same hook.
     pub fn try_wake(self) -> Result<(), RefusedWake> {
         self.wake_as(true)
     }
@@ -554,10 +558,16 @@ unsafe fn wake_refused_before(h: NonNull<Header>) -> Result<(), RefusedWake> {
 
 /// A wake that the fiber's scheduler refused for good (see
 /// [`Waiter::try_wake`]). While it is held, the fiber is `Locked`, so
-/// nothing runs it or unwinds it; dropping it makes the fiber `Ready` (in
-/// no queue; later value-handing wakes of it are refused too, until it has
-/// another home) and drops the reference it holds (a last reference
-/// unwinds or leaks the fiber, as any last reference does).
+/// nothing runs it or unwinds it. Letting go of it
+/// ([`take_back`](RefusedWake::take_back), or dropping it) runs the hook of
+/// the wait the fiber is in, if that wait set one ([`WaitHook`]), which
+/// takes back what its primitive handed the fiber and hands it on; the
+/// fiber becomes `Ready`, in no queue (later value-handing wakes of it are
+/// refused too, until it has another home). Then the reference it holds is
+/// dropped (a last reference unwinds or leaks the fiber, as any last
+/// reference does).
+///
+/// Forgetting it (`mem::forget`) leaves the fiber held for good.
 pub struct RefusedWake {
     header: NonNull<Header>,
 }
@@ -575,96 +585,33 @@ impl RefusedWake {
         unsafe { self.header.as_ref() }.id
     }
 
-    /// Whether the fiber has left no wait since a [`WaitToken`] of it
-    /// recorded `waits_left` ([`WaitToken::waits_left`]), per the protocol
-    /// of [`leave_wait`]: then it is still suspended in that wait (it is
-    /// held, so it cannot leave meanwhile), and only then may a waker take
-    /// back what it handed over in that wait (from a node on the fiber's
-    /// stack, say).
-    ///
-    /// The wait may already have been handed its value and the fiber
-    /// resumed and run on since (by an earlier, spurious, wake), into a
-    /// different wait: that is what this tells apart.
-    pub fn still_in_wait(&self, waits_left: u64) -> bool {
-        // SAFETY: we own a reference. The fiber is held: its last write
-        // of the word happened before the state store that let the wake
-        // take it (Release, paired with the wake's Acquire).
-        unsafe { self.header.as_ref() }.waits_left.load(Ordering::Relaxed) == waits_left
-    }
-}
-
-/// A fiber's own record of the waits it has left ([`leave_wait`]): the
-/// count when it was taken, and the fiber, to bump the count without a
-/// thread-local lookup. Taken by the fiber from a [`Waiter`] it made, and
-/// used on its own stack (`spindle-sync`'s waits keep one in their frame).
-#[derive(Clone, Copy, Debug)]
-pub struct WaitToken {
-    header: NonNull<Header>,
-    waits_left: u64,
-    /// Not `Send`: it names the fiber whose stack holds it.
-    _here: std::marker::PhantomData<*const ()>,
-}
-
-impl Waiter {
-    /// A token of the fiber this waiter wakes (see [`WaitToken`]). Its
-    /// count is meaningful only when the fiber takes it itself.
-    pub fn wait_token(&self) -> WaitToken {
-        WaitToken {
-            header: self.header,
-            waits_left: self.header().waits_left.load(Ordering::Relaxed),
-            _here: std::marker::PhantomData,
+    /// Lets go of the fiber through its wait's hook, as dropping this does,
+    /// but returns the waiter of the fiber the hook handed the value on to
+    /// instead of waking it: a waker that loops over refusals
+    /// (`try_wake`, then `take_back` of each refusal) needs no recursion,
+    /// however many refused fibers wait in a row.
+    #[must_use = "the fiber the value went on to sleeps until woken"]
+    pub fn take_back(self) -> Option<Waiter> {
+        let h = self.header;
+        std::mem::forget(self);
+        // SAFETY: we own one reference and hold the state `Locked`.
+        unsafe {
+            let next = let_go_refused(h);
+            (h.as_ref().vtable.release)(h);
+            next
         }
-    }
-}
-
-impl WaitToken {
-    /// The waits the fiber had left when this was taken (see
-    /// [`RefusedWake::still_in_wait`]).
-    pub fn waits_left(&self) -> u64 {
-        self.waits_left
-    }
-
-    /// [`leave_wait`] for the fiber this names, without looking up the
-    /// current fiber.
-    ///
-    /// # Safety
-    ///
-    /// The fiber is alive and this runs on its stack (it is the current
-    /// fiber): only the fiber itself writes the mark.
-    #[inline]
-    pub unsafe fn leave_wait(self) {
-        // SAFETY: the caller's contract.
-        let w = unsafe { &self.header.as_ref().waits_left };
-        w.store(w.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-    }
-}
-
-/// Marks the end of a wait of the current fiber (nothing on an ordinary
-/// thread), for [`RefusedWake::still_in_wait`]. [`WaitToken::leave_wait`]
-/// does the same without the thread-local lookup.
-///
-/// A primitive whose wakers hand values to sleepers, and take them back
-/// from a sleeper whose wake was refused, calls this on every way out of
-/// a wait that made a `Waiter` (a value taken, an interrupt, a retry),
-/// before the fiber can wait anywhere else. `spindle-sync` does. Calling
-/// it more often is harmless: a refused waker then takes nothing back.
-#[inline]
-pub fn leave_wait() {
-    let h = current_header();
-    if !h.is_null() {
-        // SAFETY: the running fiber's header; only the fiber writes it.
-        let w = unsafe { &(*h).waits_left };
-        w.store(w.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 }
 
 impl Drop for RefusedWake {
     fn drop(&mut self) {
         // SAFETY: we own a reference and hold the state `Locked`.
-        unsafe {
-            self.header.as_ref().state.store(FiberState::Ready);
-            (self.header.as_ref().vtable.release)(self.header)
-        }
+        let next = unsafe {
+            let next = let_go_refused(self.header);
+            (self.header.as_ref().vtable.release)(self.header);
+            next
+        };
+        wake_handing_over(next);
     }
 }
 
@@ -676,6 +623,147 @@ impl std::fmt::Debug for RefusedWake {
             .field("fiber", &h.id)
             .field("name", &h.name)
             .finish()
+    }
+}
+
+/// Wakes `next` for a value handed to it, and whoever the value goes on to
+/// after each refusal, in a loop.
+pub(crate) fn wake_handing_over(mut next: Option<Waiter>) {
+    while let Some(w) = next {
+        next = match w.try_wake() {
+            Ok(()) => None,
+            Err(refused) => refused.take_back(),
+        };
+    }
+}
+
+/// Lets go of a held fiber whose home refused it (or that is marked
+/// `home_refused`): stores `Ready`, through the hook of the wait it is in if
+/// it set one, which takes back what was handed to it there. Returns the
+/// waiter of the fiber the value went on to, to be woken the same way.
+///
+/// # Safety
+/// The caller holds the fiber's state `Locked` and a counted reference.
+pub(crate) unsafe fn let_go_refused(h: NonNull<Header>) -> Option<Waiter> {
+    // SAFETY: the caller's reference.
+    let header = unsafe { h.as_ref() };
+    // Written by the fiber before it went to sleep; ordered before this by
+    // the state store that let the hold be taken.
+    let Some(hook) = NonNull::new(header.wait_hook.load(Ordering::Relaxed)) else {
+        header.state.store(FiberState::Ready);
+        return None;
+    };
+    let mut let_go_done = false;
+    let mut let_go = || {
+        header.state.store(FiberState::Ready);
+        let_go_done = true;
+    };
+    // SAFETY: the fiber is held, so it is suspended in the wait that set
+    // the hook (it clears the hook before it leaves), whose frame keeps the
+    // hook alive (`WaitToken::enter_wait`'s contract).
+    let next = unsafe { (hook.as_ref().take_back)(hook, &mut let_go) };
+    if !let_go_done {
+        header.state.store(FiberState::Ready);
+    }
+    next
+}
+
+/// How a primitive takes back what it handed to a fiber in the fiber's
+/// current wait, once the fiber's scheduler has refused it for good (see
+/// [`Waiter::try_wake`]): a fiber that will never run from its scheduler
+/// must not keep a token or message that a waiter behind it could take.
+///
+/// A fiber that waits sets one for the wait
+/// ([`WaitToken::enter_wait`]), in the wait's frame, and clears it on every
+/// way out ([`WaitToken::leave_wait`]). Whoever lets go of the fiber while
+/// holding it after a refusal (a [`RefusedWake`], the runner that finishes
+/// a deferred wake, a handle whose call found the fiber marked refused)
+/// calls `take_back` with the fiber still held and a `let_go` closure that
+/// makes it `Ready`.
+///
+/// `take_back` must, under the lock the primitive hands values over
+/// under: take back the value if one was handed to the fiber in this wait
+/// (and hand it on to the next waiter, or keep it), call `let_go` exactly
+/// once, and then, after unlocking, unpark a thread it handed the value to
+/// or return the waiter of a fiber it handed it to (the caller wakes it,
+/// and takes back from it the same way if it is refused too). It must not
+/// block on anything but that lock, nor panic. Calling `let_go` under the
+/// lock is what closes the race with a hand-over that comes meanwhile: a
+/// waker that hands the fiber a value before it finds the value here; one
+/// that comes after finds the fiber `Ready` and marked refused, and its
+/// [`try_wake`](Waiter::try_wake) is refused in turn.
+#[repr(C)]
+pub struct WaitHook {
+    take_back: unsafe fn(NonNull<WaitHook>, &mut dyn FnMut()) -> Option<Waiter>,
+}
+
+impl WaitHook {
+    /// A hook that runs `take_back` (its contract is on [`WaitHook`]).
+    /// `take_back` gets a pointer to this hook: embed it first in a
+    /// `#[repr(C)]` struct of the primitive's to reach the rest.
+    pub const fn new(
+        take_back: unsafe fn(NonNull<WaitHook>, &mut dyn FnMut()) -> Option<Waiter>,
+    ) -> WaitHook {
+        WaitHook { take_back }
+    }
+}
+
+impl std::fmt::Debug for WaitHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitHook").finish_non_exhaustive()
+    }
+}
+
+/// The fiber a [`Waiter`] wakes, for setting its [`WaitHook`] from the
+/// fiber's own stack without a thread-local lookup. Taken by the fiber
+/// from a `Waiter` it made (`spindle-sync`'s waits keep one in their
+/// frame).
+#[derive(Clone, Copy, Debug)]
+pub struct WaitToken {
+    header: NonNull<Header>,
+    /// Not `Send`: it names the fiber whose stack holds it.
+    _here: std::marker::PhantomData<*const ()>,
+}
+
+impl Waiter {
+    /// A token of the fiber this waiter wakes (see [`WaitToken`]).
+    pub fn wait_token(&self) -> WaitToken {
+        WaitToken {
+            header: self.header,
+            _here: std::marker::PhantomData,
+        }
+    }
+}
+
+impl WaitToken {
+    /// Sets the hook of the wait the fiber enters (see [`WaitHook`]).
+    ///
+    /// # Safety
+    ///
+    /// The fiber is alive and this runs on its stack (it is the current
+    /// fiber: only the fiber writes its hook). `hook` stays valid and in
+    /// place until [`leave_wait`](WaitToken::leave_wait), which the fiber
+    /// calls on every way out of the wait, unwinding included, before the
+    /// hook goes away and before it can wait anywhere else.
+    #[inline]
+    pub unsafe fn enter_wait(self, hook: NonNull<WaitHook>) {
+        // SAFETY: the caller's contract.
+        unsafe { self.header.as_ref() }
+            .wait_hook
+            .store(hook.as_ptr(), Ordering::Relaxed);
+    }
+
+    /// Clears the hook set by [`enter_wait`](WaitToken::enter_wait).
+    ///
+    /// # Safety
+    ///
+    /// As for `enter_wait`: the fiber is alive and this runs on its stack.
+    #[inline]
+    pub unsafe fn leave_wait(self) {
+        // SAFETY: the caller's contract.
+        unsafe { self.header.as_ref() }
+            .wait_hook
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
     }
 }
 

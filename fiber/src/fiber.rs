@@ -654,7 +654,7 @@ impl<T: Send + 'static> Fiber<T> {
             vtable: &Self::VTABLE,
             sched_data: AtomicUsize::new(0),
             wait_reason: AtomicPtr::new(std::ptr::null_mut()),
-            waits_left: AtomicU64::new(0),
+            wait_hook: AtomicPtr::new(std::ptr::null_mut()),
             home_refused: AtomicBool::new(false),
             wait_location: AtomicPtr::new(std::ptr::null_mut()),
             sleep_request: AtomicBool::new(false),
@@ -791,7 +791,8 @@ impl<T: Send + 'static> Fiber<T> {
         let slot = unsafe { self.slot() };
         if from == FiberState::Ready {
             if slot.coro.as_ref().is_some_and(|c| c.started()) {
-                h.state.store(FiberState::Ready);
+                // SAFETY: we hold it `Locked`, and it was `Ready`.
+                unsafe { self.let_go_ready() };
                 return Err(FiberError::Busy(h.id));
             }
             // A function that never started: drop it (on any thread: F: Send).
@@ -1036,7 +1037,17 @@ impl<T: Send + 'static> Fiber<T> {
         // SAFETY: the caller holds the state `Running`, so the slot is ours.
         let (pin, migratable) = unsafe { ((*slot).pin, (*slot).migratable) };
         if pin != NO_PIN && !migratable {
-            h.state.store(FiberState::Ready);
+            // The claim made the fiber `Running` for a moment: a wake that
+            // came meanwhile was deferred to this runner (`RunningWoken`).
+            // The fiber did not run, so it is where it was: `Ready`.
+            if h.state
+                .transition(FiberState::Running, FiberState::Ready)
+                .is_err()
+            {
+                h.state.store(FiberState::Locked);
+                // SAFETY: we hold it `Locked` now.
+                unsafe { self.let_go_ready() };
+            }
             return false;
         }
         let me = thread_id();
@@ -1075,14 +1086,37 @@ impl<T: Send + 'static> Fiber<T> {
             // SAFETY: we hold the state `Locked`.
             SleepTransition::AlreadyWoken => {
                 // SAFETY: as above. Refused for good: its waker has moved
-                // on, so nobody takes anything back; the fiber is left
-                // `Ready` (run again, it finds what it was handed).
+                // on, so the fiber's wait hook takes back what it was
+                // handed, and the fiber is left `Ready`.
                 if let Err(refused) = unsafe { self.clone().finish_wake_owned() } {
-                    refused.header().state.store(FiberState::Ready);
+                    // SAFETY: the refusal hands the hold back to us.
+                    let next = unsafe { crate::current::let_go_refused(refused.inner.cast()) };
+                    drop(refused);
+                    crate::current::wake_handing_over(next);
                 }
             }
         }
         true
+    }
+
+    /// Lets go of a `Ready` fiber this call held `Locked` without changing
+    /// it: back to `Ready`, through its wait's hook if its home refused it
+    /// (a value waker that found it held meanwhile left the value to
+    /// whoever lets go of it: see `let_go_refused`).
+    ///
+    /// # Safety
+    /// The caller holds the state `Locked`, and the fiber was `Ready`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn let_go_ready(&self) {
+        let h = self.header();
+        if !h.home_refused.load(Ordering::Relaxed) {
+            h.state.store(FiberState::Ready);
+            return;
+        }
+        // SAFETY: the caller holds `Locked`; our handle is a reference.
+        let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
+        crate::current::wake_handing_over(next);
     }
 
     /// The function returned or panicked: its stack goes back to the slot.

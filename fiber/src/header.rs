@@ -209,7 +209,7 @@ pub(crate) struct Header {
     /// (`mark_queued` with a new one, `set_home`); written only while its
     /// state is held `Locked`. A value-handing wake (`Waiter::try_wake`)
     /// that finds such a fiber `Ready` is refused too: an earlier refused
-    /// wake left it so, still in its wait, and nobody will run it.
+    /// wake left it so, maybe still in its wait, and nobody will run it.
     pub(crate) home_refused: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
@@ -225,10 +225,10 @@ pub(crate) struct Header {
     /// it sleeps, read by anyone for reports.
     pub(crate) wait_reason: AtomicPtr<WaitReason>,
     pub(crate) wait_location: AtomicPtr<Location<'static>>,
-    /// Waits the fiber has left (`leave_wait`): written only by the fiber
-    /// itself, recorded by its `WaitToken`s (in its wait nodes), compared by a refused
-    /// waker that holds the fiber (`RefusedWake::still_in_wait`).
-    pub(crate) waits_left: AtomicU64,
+    /// The hook of the wait the fiber is in (`WaitToken::enter_wait`; null
+    /// outside one): written only by the fiber itself, read by whoever lets
+    /// go of it while holding it after a refused wake (`let_go_refused`).
+    pub(crate) wait_hook: AtomicPtr<crate::current::WaitHook>,
 }
 
 /// What a sleeping fiber waits on, for reports (a deadlock report, `Debug`).

@@ -93,8 +93,8 @@ mod state;
 mod tls;
 
 pub use current::{
-    current, current_id, current_sched_data, in_fiber, leave_wait, may_sleep, set_current_priority, sleep,
-    sleep_on, take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, WaitToken, Waiter,
+    current, current_id, current_sched_data, in_fiber, may_sleep, set_current_priority, sleep, sleep_on,
+    take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, WaitHook, WaitToken, Waiter,
 };
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule, Woken};

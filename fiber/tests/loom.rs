@@ -1011,84 +1011,102 @@ fn a_refused_wake_published_as_queued_first_is_caught() {
     model(|| refused_wake_model(true));
 }
 
-/// A value-handing wake of a fiber whose home refused an earlier wake
-/// (`Waiter::try_wake` → `wake_refused_before`), mirrored: the fiber is
-/// `Ready` in no queue, still in its wait, its node handed a value
-/// (`DONE`); the waker wakes it while a holder of a handle runs it by
-/// hand. Exactly one of them takes the value: the holder (it runs, finds
-/// `DONE` and leaves the wait) or the waker (it holds the fiber, finds it
-/// still in the wait and revokes the node). A holder that finds `REVOKED`
-/// waits again; the waker retries when its claim finds the fiber running
-/// or asleep.
+/// Waker step 4 with the wait hook (`WaitHook`, spindle-sync's
+/// `take_back_hook`), mirrored over the real state word: the fiber sleeps
+/// in a wait, its home refuses every wake. A value waker hands its node a
+/// value under the primitive's lock, then wakes it (`try_wake`, with the
+/// claim of a fiber marked refused, `wake_refused_before`); meanwhile a
+/// wake that hands nothing over (`wake`, a stale waiter's) takes and lets
+/// go of the fiber, and a handle's call that fails (`set_function` on a
+/// busy fiber: `Ready` → `Locked` → let go) holds it for a moment. Whoever
+/// lets go of the refused fiber runs the hook: under the lock, revoke a
+/// handed value, make the fiber `Ready`. Checked: nobody runs the fiber,
+/// so the value must come back, exactly once, whatever the interleaving
+/// (before the hook, a value waker that found the fiber held by the empty
+/// wake left the value with it).
 #[test]
-fn a_value_for_a_fiber_refused_before_is_taken_once() {
+fn a_value_handed_to_a_refused_fiber_comes_back_once() {
     model(|| {
+        const LINKED: u8 = 0;
         const DONE: u8 = 1;
         const REVOKED: u8 = 2;
-        const TAKEN: u8 = 3;
+        struct Prim {
+            node: u8,
+            given_back: u32,
+        }
         struct Shared {
             state: StateCell,
-            node: UnsafeCell<u8>,
-            /// `waits_left` moved on: written by the fiber, read by a
-            /// waker that holds it (`RefusedWake::still_in_wait`).
-            left: UnsafeCell<bool>,
+            /// `home_refused`: written while the fiber is held.
+            refused: AtomicBool,
+            prim: Mutex<Prim>,
+        }
+        // The hook, run by whoever holds the refused fiber and lets it go.
+        fn let_go_refused(s: &Shared) {
+            let mut p = s.prim.lock().unwrap();
+            if p.node == DONE {
+                p.node = REVOKED;
+                p.given_back += 1;
+            }
+            s.state.store(FiberState::Ready);
+        }
+        // `Waiter::wake_as(take_back)`.
+        fn wake(s: &Shared, take_back: bool) {
+            loop {
+                match s.state.transition_to_woken() {
+                    WakeTransition::Owned => {
+                        // The home refuses.
+                        s.refused.store(true, Ordering::Relaxed);
+                        let_go_refused(s);
+                    }
+                    WakeTransition::Deferred => unreachable!("nobody runs the fiber"),
+                    WakeTransition::Void if take_back && s.refused.load(Ordering::Relaxed) => {
+                        match s.state.transition(FiberState::Ready, FiberState::Locked) {
+                            Ok(()) if s.refused.load(Ordering::Relaxed) => let_go_refused(s),
+                            Ok(()) => s.state.store(FiberState::Ready),
+                            Err(FiberState::Sleeping | FiberState::Running) => continue,
+                            Err(_) => {}
+                        }
+                    }
+                    WakeTransition::Void => {}
+                }
+                return;
+            }
         }
         let s = Arc::new(Shared {
-            state: StateCell::new(FiberState::Ready),
-            node: UnsafeCell::new(DONE),
-            left: UnsafeCell::new(false),
+            state: StateCell::new(FiberState::Sleeping),
+            refused: AtomicBool::new(false),
+            prim: Mutex::new(Prim {
+                node: LINKED,
+                given_back: 0,
+            }),
         });
-        let holder = {
+        let empty = {
+            let s = s.clone();
+            thread::spawn(move || wake(&s, false))
+        };
+        let failing_call = {
             let s = s.clone();
             thread::spawn(move || {
-                if s.state
-                    .transition(FiberState::Ready, FiberState::Running)
-                    .is_err()
-                {
-                    return false;
+                // `set_function` on a started fiber: `Busy`, let go.
+                if s.state.transition(FiberState::Ready, FiberState::Locked).is_ok() {
+                    if s.refused.load(Ordering::Relaxed) {
+                        let_go_refused(&s);
+                    } else {
+                        s.state.store(FiberState::Ready);
+                    }
                 }
-                if s.node.with(|v| unsafe { *v }) == DONE {
-                    s.node.with_mut(|v| unsafe { *v = TAKEN });
-                    s.left.with_mut(|v| unsafe { *v = true });
-                    s.state.transition_to_yielded();
-                    return true;
-                }
-                // Revoked: it waits again (relinked; nobody wakes it here).
-                if s.state.transition_to_sleeping() == SleepTransition::AlreadyWoken {
-                    // The runner finishes the wake; its home refuses it.
-                    s.state.store(FiberState::Ready);
-                }
-                false
             })
         };
-        let mut revoked = false;
-        loop {
-            let holding = match s.state.transition_to_woken() {
-                WakeTransition::Owned => true, // its home refuses it again
-                WakeTransition::Deferred => false,
-                WakeTransition::Void => match s.state.transition(FiberState::Ready, FiberState::Locked) {
-                    Ok(()) => true,
-                    Err(FiberState::Sleeping | FiberState::Running) => continue,
-                    Err(_) => false,
-                },
-            };
-            if holding {
-                if !s.left.with(|v| unsafe { *v }) {
-                    let v = s.node.with(|v| unsafe { *v });
-                    assert_eq!(v, DONE, "revoking a node the fiber is not in");
-                    s.node.with_mut(|v| unsafe { *v = REVOKED });
-                    revoked = true;
-                }
-                s.state.store(FiberState::Ready);
-            }
-            break;
-        }
-        let took = holder.join().unwrap();
+        s.prim.lock().unwrap().node = DONE;
+        wake(&s, true);
+        empty.join().unwrap();
+        failing_call.join().unwrap();
+        let p = s.prim.lock().unwrap();
         assert_eq!(
-            took as u8 + revoked as u8,
-            1,
-            "the value was taken {} times",
-            took as u8 + revoked as u8
+            (p.node, p.given_back),
+            (REVOKED, 1),
+            "the value handed to the refused fiber must come back once"
         );
+        assert_eq!(s.state.load(), FiberState::Ready);
     });
 }

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use spindle_fiber::{
     current, sleep, yield_now, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome, Schedule,
-    Waiter, Woken,
+    WaitHook, Waiter, Woken,
 };
+use std::ptr::NonNull;
 
 type Slot = Arc<Mutex<Option<Waiter>>>;
 
@@ -448,47 +449,85 @@ fn a_value_wake_of_a_fiber_refused_before_is_refused_too() {
     });
 }
 
-/// `RefusedWake::still_in_wait`: true while the fiber has left no wait
-/// (`leave_wait`) since its `WaitToken` recorded the count; false once it
-/// has.
+/// The hook of the wait a fiber is in runs when a refused fiber is let
+/// go of, with the fiber still held: by a dropped `RefusedWake`, and by the
+/// runner that finishes a deferred wake its home refuses. Not once the
+/// fiber left the wait.
 #[test]
-fn a_refused_wake_tells_whether_the_fiber_is_still_in_its_wait() {
-    type Recorded = Arc<Mutex<Option<(Waiter, u64)>>>;
-    fn run_sleeper(leave_first: bool) -> (Fiber<u32>, Waiter, u64) {
-        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
-        let rec: Recorded = Arc::default();
-        let r = rec.clone();
-        fiber
-            .set_function(Priority::NORMAL, move || {
-                let w = Waiter::current().unwrap();
-                let waits_left = w.wait_token().waits_left();
-                *r.lock().unwrap() = Some((w, waits_left));
-                if leave_first {
-                    spindle_fiber::leave_wait(); // that wait is over
-                }
-                sleep(); // (the same wait, or a later one)
-                7
-            })
-            .unwrap();
-        let home: Arc<dyn Schedule<u32>> = Arc::new(ShutDown { pokes: false });
-        fiber.mark_queued(Some(&home)).unwrap();
-        fiber.mark_dequeued().unwrap();
-        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
-        let (w, waits_left) = rec.lock().unwrap().take().unwrap();
-        (fiber, w, waits_left)
+fn letting_go_of_a_refused_fiber_runs_its_wait_hook() {
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    static HELD: AtomicUsize = AtomicUsize::new(0);
+    static FIBER: Mutex<Option<Fiber<u32>>> = Mutex::new(None);
+    unsafe fn hook(_: NonNull<WaitHook>, let_go: &mut dyn FnMut()) -> Option<Waiter> {
+        let fiber = FIBER.lock().unwrap();
+        if fiber.as_ref().is_some_and(|f| f.state() == FiberState::Locked) {
+            HELD.fetch_add(1, Ordering::SeqCst);
+        }
+        drop(fiber);
+        CALLS.fetch_add(1, Ordering::SeqCst);
+        let_go();
+        None
     }
-    with_watchdog(30, "still_in_wait", || {
-        let (fiber, w, waits_left) = run_sleeper(false);
-        let refused = w.try_wake().expect_err("refused");
-        assert!(refused.still_in_wait(waits_left), "it has left no wait since");
-        drop(refused);
-        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(7))));
+    // Sleeps with a hook set; with `wake_first`, wakes itself first (the
+    // wake is deferred to the runner). Then leaves the wait and sleeps
+    // again without a hook.
+    fn hooked_sleeper(slot: Slot, wake_first: bool) -> impl FnOnce() -> u32 + Send + 'static {
+        move || {
+            let me = Waiter::current().unwrap();
+            let token = me.wait_token();
+            let hook = WaitHook::new(hook);
+            // SAFETY: on this fiber's stack; `hook` stays in this frame
+            // until `leave_wait` below.
+            unsafe { token.enter_wait(NonNull::from(&hook)) };
+            if wake_first {
+                me.wake();
+            } else {
+                *slot.lock().unwrap() = Some(me);
+            }
+            sleep();
+            // SAFETY: as above.
+            unsafe { token.leave_wait() };
+            *slot.lock().unwrap() = Some(Waiter::current().unwrap());
+            sleep();
+            7
+        }
+    }
+    with_watchdog(30, "wait_hook", || {
+        for wake_first in [false, true] {
+            CALLS.store(0, Ordering::SeqCst);
+            HELD.store(0, Ordering::SeqCst);
+            let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+            let slot: Slot = Arc::default();
+            fiber
+                .set_function(Priority::NORMAL, hooked_sleeper(slot.clone(), wake_first))
+                .unwrap();
+            *FIBER.lock().unwrap() = Some(fiber.clone());
+            let home: Arc<dyn Schedule<u32>> = Arc::new(ShutDown { pokes: false });
+            fiber.mark_queued(Some(&home)).unwrap();
+            fiber.mark_dequeued().unwrap();
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+            if !wake_first {
+                let refused = take(&slot).try_wake().expect_err("refused");
+                assert_eq!(CALLS.load(Ordering::SeqCst), 0, "not before it is let go of");
+                drop(refused);
+            }
+            assert_eq!(
+                CALLS.load(Ordering::SeqCst),
+                1,
+                "the hook ran (wake_first: {wake_first})"
+            );
+            assert_eq!(HELD.load(Ordering::SeqCst), 1, "with the fiber held");
+            assert_eq!(fiber.state(), FiberState::Ready, "and let go");
 
-        let (_fiber, w, waits_left) = run_sleeper(true);
-        let refused = w.try_wake().expect_err("refused");
-        assert!(
-            !refused.still_in_wait(waits_left),
-            "it left the wait the token was taken in"
-        );
+            assert!(
+                matches!(fiber.run(), Ok(RunOutcome::Slept)),
+                "out of the hooked wait"
+            );
+            let next = take(&slot).try_wake().expect_err("refused again").take_back();
+            assert!(next.is_none(), "no hook, nothing handed on");
+            assert_eq!(CALLS.load(Ordering::SeqCst), 1, "no hook once it left the wait");
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(7))));
+            FIBER.lock().unwrap().take();
+        }
     });
 }

@@ -281,7 +281,7 @@ impl RawChannel {
             #[cfg(test)]
             tests::after_handoff();
             drop(synced);
-            wakeup.deliver(&self.synced, Synced::give_back);
+            wakeup.deliver();
             return;
         }
         // SAFETY: the caller hands us the header until it is popped.

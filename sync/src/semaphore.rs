@@ -249,7 +249,7 @@ impl Semaphore {
                     // Handed to that waiter, whatever its wake does (a
                     // refused one gives it on: `Synced::give_back`).
                     rest.left -= 1;
-                    wakeup.deliver(&self.synced, Synced::give_back);
+                    wakeup.deliver();
                 }
                 None => {
                     let left = std::mem::take(&mut rest.left);

@@ -11,7 +11,8 @@
 //!
 //! 1. lock; check the condition (a token, a message); if met, take it, done;
 //! 2. put a [`WaitNode`] on its own stack, holding a [`Waiter`] for the
-//!    fiber (or the thread handle), and link it at the tail of the list;
+//!    fiber (or the thread handle), and link it at the tail of the list; a
+//!    fiber also sets its wait hook (step 4), cleared on every way out;
 //! 3. unlock;
 //! 4. a fiber calls [`spindle_fiber::sleep_on`]; its runner then moves it
 //!    `Running` → `Sleeping`, or, if a waker already came, finishes the
@@ -34,10 +35,15 @@
 //!    and 4 (its runner then queues it); for a thread, unpark;
 //! 4. if the fiber's home refused it for good (shut down), now or at an
 //!    earlier wake (then `try_wake` finds it `Ready` and holds it), the
-//!    fiber is still held (`Locked`, not run since): lock, mark the node
-//!    `REVOKED`, take the value back and give it on ([`GiveBack`]), unlock,
-//!    let the fiber go (`Ready`), and wake whoever got the value the same
-//!    way ([`Wakeup::deliver`]).
+//!    refusal holds the fiber (`Locked`, not run since); letting go of it
+//!    runs the hook of the wait it is in ([`WaitHook`], set by step 2 in
+//!    the sleeper's frame): lock, if the node was handed a value mark it
+//!    `REVOKED`, take the value back and give it on ([`GiveBack`]), make
+//!    the fiber `Ready`, unlock, and wake whoever got the value the same
+//!    way ([`Wakeup::deliver`]). Whoever else lets go of a refused fiber
+//!    (a runner that finishes a deferred wake, another waker's refusal)
+//!    runs the same hook, so a value handed over while someone else held
+//!    the fiber is taken back too.
 //!
 //! The value and the unlinking happen under the lock, so each sleeper gets
 //! exactly one value and a node is never on a list twice; the state machine
@@ -51,12 +57,12 @@
 use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomPinned;
 use std::pin::pin;
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::thread::Thread;
 
 use parking_lot::{Mutex, MutexGuard};
-use spindle_fiber::{Priority, RefusedWake, WaitReason, Waiter};
+use spindle_fiber::{Priority, RefusedWake, WaitHook, WaitReason, WaitToken, Waiter};
 
 /// Who sleeps on a node.
 enum Sleeper {
@@ -90,9 +96,6 @@ pub(crate) struct WaitNode {
     done: AtomicU8,
     /// Priority to wake a fiber at, if the sleeper asked for one.
     wake_priority: Option<Priority>,
-    /// A fiber sleeper's count of the waits it had left when it linked
-    /// the node (`WaitToken::waits_left`), copied into its `Wakeup`.
-    waits_left: Cell<u64>,
     _pinned: PhantomPinned,
 }
 
@@ -116,7 +119,6 @@ impl WaitNode {
             value: Cell::new(ptr::null_mut()),
             done: AtomicU8::new(LINKED),
             wake_priority,
-            waits_left: Cell::new(0),
             _pinned: PhantomPinned,
         }
     }
@@ -212,9 +214,8 @@ impl WaitList {
         // Last touch: after this store a thread sleeper may return and free
         // the node (a fiber sleeper, only once it runs: see `Wakeup`).
         // Release pairs with its Acquire load.
-        let waits_left = node.waits_left.get();
         node.done.store(DONE, Ordering::Release);
-        Some(Wakeup { sleeper, node, waits_left })
+        Some(Wakeup { sleeper })
     }
 }
 
@@ -222,77 +223,87 @@ impl WaitList {
 #[must_use = "a popped waiter sleeps forever unless woken"]
 pub(crate) struct Wakeup {
     sleeper: Sleeper,
-    /// The unlinked node. Only touched again for a fiber whose scheduler
-    /// refused the wake: the refusal holds the fiber (`Locked`), so it
-    /// cannot run (and its stack, holding the node, cannot go away) until
-    /// the refusal is dropped.
-    node: *const WaitNode,
-    /// The node's `waits_left`, read while it was linked (see `revoke`).
-    waits_left: u64,
 }
 
 impl Wakeup {
     /// Waker step 3: wakes the sleeper. If a fiber's scheduler refuses it
     /// for good (it has shut down: nothing will run the fiber from there),
-    /// the value handed to it is taken back under the primitive's lock
-    /// (the node is marked [`REVOKED`]) and given to `give_back`, which
-    /// hands it to the next waiter (woken the same way, and so on) or
-    /// keeps it. The fiber is then left `Ready`; if it ever runs, its
-    /// wait finds the node revoked and waits again.
+    /// step 4: letting go of the refusal runs the fiber's wait hook
+    /// (`take_back_hook`), which takes the value back and hands it to the
+    /// next waiter, who is woken the same way, and so on.
     #[inline]
-    pub(crate) fn deliver<S>(self, mutex: &Mutex<S>, give_back: GiveBack<S>) {
+    pub(crate) fn deliver(self) {
         match self.sleeper {
             Sleeper::Thread(t) => t.unpark(),
             Sleeper::Fiber(w) => {
                 if let Err(refused) = w.try_wake() {
-                    revoke(refused, self.node, self.waits_left, mutex, give_back);
+                    hand_on(refused);
                 }
             }
         }
     }
 }
 
-/// Waker step 4, out of the common path: takes the value back from the node
-/// of a fiber whose wake `refused` is, gives it on, and delivers to whoever
-/// got it (and so on, each refusal taking one sleeper off the list).
+/// Waker step 4, out of the common path: lets go of a refused fiber (its
+/// wait hook takes back what it was handed and hands it on) and wakes
+/// whoever got the value, in a loop: each refusal takes one sleeper off
+/// the list, and a row of refused fibers costs no recursion.
 #[cold]
 #[inline(never)]
-fn revoke<S>(
-    mut refused: RefusedWake,
-    mut node: *const WaitNode,
-    mut waits_left: u64,
-    mutex: &Mutex<S>,
+fn hand_on(mut refused: RefusedWake) {
+    while let Some(next) = refused.take_back() {
+        match next.try_wake() {
+            Ok(()) => return,
+            Err(again) => refused = again,
+        }
+    }
+}
+
+/// A fiber's wait hook (sleeper step 2, waker step 4): in the waiting
+/// frame, beside the node, with what taking the value back needs.
+#[repr(C)]
+struct Hooked<S> {
+    /// First: the fiber hands `take_back_hook` a pointer to it.
+    hook: WaitHook,
+    node: *const WaitNode,
+    mutex: *const Mutex<S>,
     give_back: GiveBack<S>,
-) {
-    loop {
-        // The fiber may have left this wait before the wake took it: an
-        // earlier, spurious, wake ran it, it took the value and waits
-        // somewhere else now (`leave_wait` on every way out of `wait`).
-        // Then the value is its own, and the node is gone.
-        if !refused.still_in_wait(waits_left) {
-            return;
+}
+
+/// Waker step 4, run by whoever lets go of a fiber whose scheduler refused
+/// it (see [`WaitHook`]): under the primitive's lock, takes back the value
+/// if one was handed to this wait's node (marked [`REVOKED`]) and gives it
+/// on, and lets the fiber go (`Ready`) before unlocking, so that a waker
+/// that hands it a value later finds it `Ready` and marked refused (its
+/// `try_wake` is refused in turn). Unparks a thread the value went to;
+/// returns a fiber's waiter.
+///
+/// # Safety
+/// `hook` is the `hook` of a `Hooked<S>` in the frame of a fiber suspended
+/// in `wait` (the caller holds the fiber, so it stays suspended).
+unsafe fn take_back_hook<S>(hook: NonNull<WaitHook>, let_go: &mut dyn FnMut()) -> Option<Waiter> {
+    // SAFETY: the caller's contract; `hook` is the first field.
+    let me = unsafe { hook.cast::<Hooked<S>>().as_ref() };
+    // SAFETY: the node and the primitive outlive the wait, which the
+    // fiber cannot leave while it is held.
+    let (node, mutex) = unsafe { (&*me.node, &*me.mutex) };
+    let mut locked = mutex.lock();
+    let next = if node.done.load(Ordering::Relaxed) == DONE {
+        node.done.store(REVOKED, Ordering::Relaxed);
+        (me.give_back)(&mut locked, node.value.replace(ptr::null_mut()))
+    } else {
+        // Still linked (no value yet: a later one finds the fiber refused),
+        // or revoked already.
+        None
+    };
+    let_go();
+    drop(locked);
+    match next?.sleeper {
+        Sleeper::Thread(t) => {
+            t.unpark();
+            None
         }
-        let mut locked = mutex.lock();
-        // SAFETY: the fiber has not left the wait that linked the node, and
-        // the refusal keeps it from running or being unwound, so its
-        // suspended stack, and the node on it, are intact; the lock orders
-        // this with the fiber's own look at the node when it runs again.
-        let n = unsafe { &*node };
-        debug_assert_eq!(n.done.load(Ordering::Relaxed), DONE);
-        n.done.store(REVOKED, Ordering::Relaxed);
-        let next = give_back(&mut locked, n.value.replace(ptr::null_mut()));
-        drop(locked);
-        // The fiber becomes `Ready`, in no queue (and is released, if this
-        // was its last reference).
-        drop(refused);
-        let Some(next) = next else { return };
-        match next.sleeper {
-            Sleeper::Thread(t) => return t.unpark(),
-            Sleeper::Fiber(w) => match w.try_wake() {
-                Ok(()) => return,
-                Err(again) => (refused, node, waits_left) = (again, next.node, next.waits_left),
-            },
-        }
+        Sleeper::Fiber(w) => Some(w),
     }
 }
 
@@ -340,10 +351,16 @@ struct Linked<'a, S> {
     node: &'a WaitNode,
     mutex: &'a Mutex<S>,
     give_back: GiveBack<S>,
+    /// A fiber sleeper's: its wait hook is cleared before the frame goes.
+    token: Option<WaitToken>,
 }
 
 impl<S> Drop for Linked<'_, S> {
     fn drop(&mut self) {
+        if let Some(t) = self.token {
+            // SAFETY: on the fiber's own stack (its frame is unwinding).
+            unsafe { t.leave_wait() };
+        }
         let done = self.node.done.load(Ordering::Acquire);
         if done == LINKED {
             warn!(
@@ -356,7 +373,7 @@ impl<S> Drop for Linked<'_, S> {
         if done == DONE {
             let wakeup = (self.give_back)(&mut self.mutex.lock(), self.node.value.get());
             if let Some(w) = wakeup {
-                w.deliver(self.mutex, self.give_back);
+                w.deliver();
             }
         }
     }
@@ -393,8 +410,8 @@ fn dropped_fiber() -> bool {
 /// a waker hands it a value, and returns that value. If the sleeper unwinds
 /// after the value was handed over (its fiber dropped before it ran again),
 /// `give_back` returns the value to the locked state, and may hand it to
-/// another waiter (woken once the lock is released); so does the waker if
-/// the fiber's scheduler refuses its wake (`Wakeup::deliver`). A fiber
+/// another waiter (woken once the lock is released); so does the fiber's
+/// wait hook if its scheduler refuses it (`take_back_hook`). A fiber
 /// whose value was taken back that way and that runs anyway starts over:
 /// `take_now` (under the lock) takes what is there now, else it waits
 /// again.
@@ -419,8 +436,11 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         return Err(Interrupted);
     }
     let node = pin!(WaitNode::for_current(wake_priority));
-    // The fiber's mark of the waits it left (`leave_wait` below, on every
-    // way out once linked), reached without a thread-local lookup.
+    let mutex = MutexGuard::mutex(&guard);
+    // A fiber's wait hook (waker step 4), set through a token (no
+    // thread-local lookup) before the node is linked and cleared on every
+    // way out (`leave_wait` below, and `Linked` when unwinding).
+    let hooked = pin!(Hooked { hook: WaitHook::new(take_back_hook::<S>), node: &*node, mutex, give_back });
     let token = match
         // SAFETY: the node is not linked yet; only we can see it.
         unsafe { &*node.sleeper.get() }
@@ -429,22 +449,23 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         _ => None,
     };
     if let Some(t) = token {
-        node.waits_left.set(t.waits_left());
+        // SAFETY: on the stack of the fiber the token names (it made the
+        // node's waiter); the hook stays in this frame until `leave_wait`,
+        // which every way out of it calls (`Linked` when unwinding).
+        unsafe { t.enter_wait(NonNull::from(&hooked.hook)) };
     }
     let is_fiber = token.is_some();
     let leave_wait = || {
         if let Some(t) = token {
-            // SAFETY: called only in this frame, which runs on the stack of
-            // the fiber the token names (it made the node's waiter).
+            // SAFETY: as above.
             unsafe { t.leave_wait() }
         }
     };
-    let mutex = MutexGuard::mutex(&guard);
     // SAFETY: the node is pinned in this frame, and this frame does not
     // return before the node is unlinked (we wait for `done` below), nor
     // unwind while it is linked (`Linked` aborts first).
     unsafe { list(&mut guard).push_back(&node) };
-    let linked = Linked { node: &node, mutex, give_back };
+    let linked = Linked { node: &node, mutex, give_back, token };
     drop(guard);
     if is_fiber {
         // The node's own waiter is only woken after `done` is set. Any other

@@ -358,3 +358,126 @@ fn a_refused_wake_of_a_fiber_that_left_the_wait_takes_nothing_back() {
         t.join().unwrap();
     });
 }
+
+/// A home that refuses every fiber, the first time only after `go`: it
+/// holds the first wake inside `schedule` (the fiber `Locked`) while the
+/// test makes another.
+#[derive(Default)]
+struct SlowRefuser {
+    entered: std::sync::atomic::AtomicBool,
+    go: std::sync::atomic::AtomicBool,
+}
+
+impl spindle_fiber::Schedule<()> for SlowRefuser {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        if !self.entered.swap(true, Ordering::SeqCst) {
+            spin_until(|| self.go.load(Ordering::SeqCst));
+        }
+        Err(w)
+    }
+}
+
+/// A release hands the token to a fiber while another wake (one that
+/// hands nothing over) holds it inside its home's `schedule`, which then
+/// refuses it. The release finds the fiber held and leaves it to that
+/// wake, whose letting go runs the fiber's wait hook: the token goes on to
+/// the thread behind. (From a review: the token stayed with the fiber.)
+#[test]
+fn a_value_handed_over_while_a_refused_wake_holds_the_fiber_goes_on() {
+    watchdog("a_value_handed_over_while_a_refused_wake_holds_the_fiber_goes_on", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || s.acquire());
+        let home = Arc::new(SlowRefuser::default());
+        let dyn_home: Arc<dyn spindle_fiber::Schedule<()>> = home.clone();
+        orphan.set_home(Some(&dyn_home)).unwrap();
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire());
+        stage.set("waiting for the thread to wait behind the orphan");
+        spin_until(|| sem.waiters() == 2);
+        let w = orphan.waiter();
+        let empty = std::thread::spawn(move || w.wake());
+        stage.set("waiting for the empty wake to hold the fiber in schedule");
+        spin_until(|| home.entered.load(Ordering::SeqCst));
+        assert_eq!(orphan.state(), FiberState::Locked);
+        stage.set("releasing while the fiber is held");
+        sem.release(1);
+        home.go.store(true, Ordering::SeqCst);
+        empty.join().unwrap();
+        stage.set("the thread behind must get the token");
+        thread.join().unwrap();
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        assert_eq!(orphan.state(), FiberState::Ready);
+    });
+}
+
+/// The same race without help, many times: an interrupt of the plain wait
+/// (refused) and a release at once. Every token ends up in the count, never
+/// with the fiber that nobody runs. Then the same with a handle's call that
+/// fails and changes nothing but holds the fiber for a moment
+/// (`set_function` on a busy fiber, `run` on the wrong thread), racing a
+/// release to a fiber already refused.
+#[test]
+fn a_release_racing_a_refused_wake_or_a_failing_call_keeps_the_token() {
+    use std::sync::atomic::AtomicBool;
+    fn round(race: impl FnOnce(Fiber<()>, &AtomicBool) + Send + 'static, refuse_first: bool) -> bool {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let orphan = fiber(Priority::NORMAL, move || s.acquire());
+        asleep_with_its_queue_gone(&orphan);
+        if refuse_first {
+            orphan.interrupt();
+        }
+        let start = Arc::new(AtomicBool::new(false));
+        let (o, st) = (orphan.clone(), start.clone());
+        let t = std::thread::spawn(move || race(o, &st));
+        start.store(true, Ordering::Release);
+        sem.release(1);
+        t.join().unwrap();
+        sem.available() == 1
+    }
+    watchdog("a_release_racing_a_refused_wake_or_a_failing_call_keeps_the_token", 120, |stage| {
+        stage.set("an interrupt racing the release");
+        for _ in 0..2000 {
+            let kept = round(
+                |o, start| {
+                    spin_until(|| start.load(Ordering::Acquire));
+                    o.interrupt();
+                },
+                false,
+            );
+            assert!(kept, "the token stayed with a refused fiber (interrupt)");
+        }
+        stage.set("a failing set_function racing the release");
+        for _ in 0..1000 {
+            let kept = round(
+                |o, start| {
+                    while !start.load(Ordering::Acquire) {
+                        let _ = o.set_function(Priority::NORMAL, || ());
+                    }
+                    for _ in 0..64 {
+                        let _ = o.set_function(Priority::NORMAL, || ());
+                    }
+                },
+                true,
+            );
+            assert!(kept, "the token stayed with a refused fiber (set_function)");
+        }
+        stage.set("a run on the wrong thread racing the release");
+        for _ in 0..1000 {
+            let kept = round(
+                |o, start| {
+                    while !start.load(Ordering::Acquire) {
+                        assert!(o.run().is_err());
+                    }
+                    for _ in 0..64 {
+                        assert!(o.run().is_err());
+                    }
+                },
+                true,
+            );
+            assert!(kept, "the token stayed with a refused fiber (run)");
+        }
+    });
+}
