@@ -92,7 +92,10 @@ where
 /// and so it does in a destructor run while a dropped fiber's stack is
 /// unwound (see [`spindle_fiber::yield_value`]).
 /// A cancelled fiber unwinds here (unlike `spindle_fiber::yield_now`,
-/// which knows nothing of cancellation).
+/// which knows nothing of cancellation). To leave the queue until woken
+/// instead ([`JoinHandle::wake`](crate::JoinHandle::wake)) or a timeout,
+/// see [`yield_timeout`] (Tarantool's name; it sleeps, it does not stay
+/// runnable); to sleep for a time, [`sleep`].
 #[inline]
 pub fn yield_now() {
     spindle_fiber::yield_now();
