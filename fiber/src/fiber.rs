@@ -308,8 +308,8 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// (a wake that came while the fiber was switching out to sleep is
     /// finished there): queue the fiber, do not run it inline, or `run`
     /// reports [`RunOutcome::Slept`] for a fiber that has run on since. A
-    /// refusal there leaves the fiber `Ready`, with what it was handed
-    /// (its waker has moved on).
+    /// refusal there is let go of by the runner, through the fiber's wait
+    /// hook ([`WaitHook`](crate::WaitHook)), as a waker would.
     ///
     /// [`Waiter::try_wake`]: crate::Waiter::try_wake
     ///
@@ -976,9 +976,16 @@ impl<T: Send + 'static> Fiber<T> {
             // slot passed from here would be kept live across the caller's
             // loop (and spilled) instead of recomputed.
             // SAFETY: we hold the state `Running`.
-            if !unsafe { self.change_thread() } {
+            let moved = unsafe { self.change_thread() };
+            if moved != ChangeThread::Moved {
                 // SAFETY: the thread of `enter_on_thread`.
                 unsafe { exit(prev) };
+                if moved == ChangeThread::RefusedHeld {
+                    // With the thread's own current fiber back: letting go
+                    // may run a wait hook and wake other fibers.
+                    // SAFETY: `change_thread` left it `Locked` for us.
+                    unsafe { self.let_go_ready() };
+                }
                 // Built here, not returned by the call: an error written
                 // through a pointer by a called function sends every
                 // outcome of `run` through memory.
@@ -1030,7 +1037,7 @@ impl<T: Send + 'static> Fiber<T> {
     /// The caller holds the state `Running`.
     #[cold]
     #[inline(never)]
-    unsafe fn change_thread(&self) -> bool {
+    unsafe fn change_thread(&self) -> ChangeThread {
         let h = self.header();
         // Field by field: the caller holds a reference to `coro`.
         let slot = self.slot_ptr();
@@ -1039,16 +1046,16 @@ impl<T: Send + 'static> Fiber<T> {
         if pin != NO_PIN && !migratable {
             // The claim made the fiber `Running` for a moment: a wake that
             // came meanwhile was deferred to this runner (`RunningWoken`).
-            // The fiber did not run, so it is where it was: `Ready`.
+            // The fiber did not run, so it is where it was: `Ready`, let go
+            // of by the caller (once the thread's current fiber is back).
             if h.state
                 .transition(FiberState::Running, FiberState::Ready)
                 .is_err()
             {
                 h.state.store(FiberState::Locked);
-                // SAFETY: we hold it `Locked` now.
-                unsafe { self.let_go_ready() };
+                return ChangeThread::RefusedHeld;
             }
-            return false;
+            return ChangeThread::Refused;
         }
         let me = thread_id();
         let last = h.last_thread.load(Ordering::Relaxed);
@@ -1063,7 +1070,7 @@ impl<T: Send + 'static> Fiber<T> {
         if !migratable {
             h.pinned_to.store(me, Ordering::Relaxed);
         }
-        true
+        ChangeThread::Moved
     }
 
     /// After the fiber suspended with `SLEEP_SIGNAL`: whether it went to
@@ -1106,14 +1113,24 @@ impl<T: Send + 'static> Fiber<T> {
     ///
     /// # Safety
     /// The caller holds the state `Locked`, and the fiber was `Ready`.
-    #[cold]
-    #[inline(never)]
+    #[inline]
     unsafe fn let_go_ready(&self) {
         let h = self.header();
         if !h.home_refused.load(Ordering::Relaxed) {
             h.state.store(FiberState::Ready);
             return;
         }
+        // SAFETY: the caller's contract.
+        unsafe { self.let_go_refused_ready() }
+    }
+
+    /// `let_go_ready` of a fiber marked refused, out of line.
+    ///
+    /// # Safety
+    /// As for `let_go_ready`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn let_go_refused_ready(&self) {
         // SAFETY: the caller holds `Locked`; our handle is a reference.
         let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
         crate::current::wake_handing_over(next);
@@ -1201,7 +1218,12 @@ impl<T: Send + 'static> Fiber<T> {
                 std::mem::replace(&mut slot.home, home.cloned())
             }
         };
-        h.state.store(FiberState::Ready);
+        // Still refused (the same home): a value handed to it while this
+        // held it is taken back (`let_go_ready`). With a new home, the
+        // caller has it in hand and runs or queues it, and it finds the
+        // value then.
+        // SAFETY: we hold it `Locked`, and it was `Ready`.
+        unsafe { self.let_go_ready() };
         // As in `mark_queued`: the previous home goes out unlocked.
         Ok(replaced)
     }
@@ -1503,6 +1525,18 @@ impl<T> Drop for Fiber<T> {
         // SAFETY: we own one reference.
         unsafe { release(self.inner) }
     }
+}
+
+/// What `change_thread` found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ChangeThread {
+    /// The fiber may run on this thread (its pin now says so).
+    Moved,
+    /// Pinned to another thread: it is `Ready` again.
+    Refused,
+    /// Pinned to another thread, and a wake came during the claim: it is
+    /// held `Locked` for the caller to let go of (`let_go_ready`).
+    RefusedHeld,
 }
 
 /// `Slot::pin` of a function that has not run yet: never a thread id, and

@@ -481,3 +481,111 @@ fn a_release_racing_a_refused_wake_or_a_failing_call_keeps_the_token() {
         }
     });
 }
+
+/// A home that refuses every fiber (a shut-down scheduler).
+struct Refuser;
+
+impl spindle_fiber::Schedule<()> for Refuser {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        Err(w)
+    }
+}
+
+/// `set_home` with the same refusing home holds a refused fiber for a
+/// moment; a release that hands it a token then finds it held and leaves
+/// it to `set_home`, which must let go through the wait hook (the fiber
+/// is still refused). (From a review: it stored `Ready` and the token
+/// stayed with the fiber.)
+#[test]
+fn a_release_racing_a_set_home_to_the_same_refusing_home_keeps_the_token() {
+    use std::sync::atomic::AtomicBool;
+    watchdog("a_release_racing_a_set_home_to_the_same_refusing_home_keeps_the_token", 120, |_stage| {
+        for _ in 0..2000 {
+            let sem = Arc::new(Semaphore::new(0));
+            let s = sem.clone();
+            let orphan = fiber(Priority::NORMAL, move || s.acquire());
+            let home: Arc<dyn spindle_fiber::Schedule<()>> = Arc::new(Refuser);
+            orphan.set_home(Some(&home)).unwrap();
+            assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+            orphan.interrupt(); // refused: `Ready`, marked, still in its wait
+            let start = Arc::new(AtomicBool::new(false));
+            let (o, st, h) = (orphan.clone(), start.clone(), home.clone());
+            let t = std::thread::spawn(move || {
+                while !st.load(Ordering::Acquire) {
+                    let _ = o.set_home(Some(&h));
+                }
+                for _ in 0..64 {
+                    let _ = o.set_home(Some(&h));
+                }
+            });
+            start.store(true, Ordering::Release);
+            sem.release(1);
+            t.join().unwrap();
+            assert_eq!(sem.available(), 1, "the token stayed with a refused fiber (set_home)");
+        }
+    });
+}
+
+/// A home that queues, and records which fiber was current when it was
+/// called.
+#[derive(Default)]
+struct Recording {
+    current: std::sync::Mutex<Vec<Option<spindle_fiber::FiberId>>>,
+    queue: std::sync::Mutex<Vec<Fiber<()>>>,
+}
+
+impl spindle_fiber::Schedule<()> for Recording {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        self.current.lock().unwrap().push(spindle_fiber::current_id());
+        self.queue.lock().unwrap().push(w.into_queued());
+        Ok(())
+    }
+}
+
+/// A run on the wrong thread of a refused fiber holds it `Running` for a
+/// moment; a release that comes then is deferred to that run, which lets
+/// go of the fiber through its wait hook, and the hook wakes the next
+/// waiter. That must happen with the thread's own current fiber (none)
+/// back: the refused fiber is suspended on another thread, and code the
+/// wake runs (a home's `schedule`, destructors) must not take it for its
+/// own. (From a review: `schedule` saw the refused fiber as current, and a
+/// scheduler that yielded there crashed the process.)
+#[test]
+fn a_wrong_thread_run_lets_go_of_a_refused_fiber_with_no_fiber_current() {
+    use std::sync::atomic::AtomicBool;
+    watchdog("a_wrong_thread_run_lets_go_of_a_refused_fiber_with_no_fiber_current", 120, |_stage| {
+        for _ in 0..2000 {
+            let sem = Arc::new(Semaphore::new(0));
+            let s = sem.clone();
+            let orphan = fiber(Priority::NORMAL, move || s.acquire());
+            let dead: Arc<dyn spindle_fiber::Schedule<()>> = Arc::new(Refuser);
+            orphan.set_home(Some(&dead)).unwrap();
+            assert!(matches!(orphan.run(), Ok(RunOutcome::Slept))); // pinned here
+            orphan.interrupt(); // refused: `Ready`, marked
+            let rec = Arc::new(Recording::default());
+            let live: Arc<dyn spindle_fiber::Schedule<()>> = rec.clone();
+            let s = sem.clone();
+            let next = fiber(Priority::NORMAL, move || s.acquire());
+            next.set_home(Some(&live)).unwrap();
+            assert!(matches!(next.run(), Ok(RunOutcome::Slept)));
+            let start = Arc::new(AtomicBool::new(false));
+            let (o, st) = (orphan.clone(), start.clone());
+            let t = std::thread::spawn(move || {
+                while !st.load(Ordering::Acquire) {
+                    assert!(o.run().is_err());
+                }
+                for _ in 0..64 {
+                    assert!(o.run().is_err());
+                }
+            });
+            start.store(true, Ordering::Release);
+            sem.release(1);
+            t.join().unwrap();
+            let current = rec.current.lock().unwrap().clone();
+            assert_eq!(current, [None], "the next waiter was woken once, with no fiber current");
+            let q = rec.queue.lock().unwrap().pop().unwrap();
+            q.mark_dequeued().unwrap();
+            assert!(matches!(q.run(), Ok(RunOutcome::Returned(()))));
+        }
+    });
+}
