@@ -648,6 +648,15 @@ impl Worker {
         loop {
             self.drain_inbox();
             let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
+            // Woken fibers this worker took out of its inbox and will not
+            // run again: let go of for good, so one woken for nothing (an
+            // interrupt) hands on what a primitive hands it later, and
+            // later wakes of it are refused. (Not the sleeping ones: one of
+            // them may sit in the inbox, queued, by now; asleep, the
+            // closed inbox refuses them.)
+            for fiber in &fibers {
+                let _ = fiber.abandon();
+            }
             fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
             if fibers.is_empty() {
                 // Jobs queued in the last instant are dropped before this

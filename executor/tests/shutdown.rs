@@ -644,3 +644,58 @@ fn a_release_racing_a_stale_wake_after_shutdown_keeps_the_token() {
         }
     });
 }
+
+/// A fiber woken for nothing during the final drain (a destructor of a
+/// fiber the drain unwinds wakes it with a kept waiter) is abandoned with
+/// the rest: the token a release hands it after shutdown comes back to the
+/// count. (From a review: the drain dropped it `Ready` and unmarked, and
+/// the token went down with its leaked stack.)
+#[test]
+fn a_fiber_woken_for_nothing_during_the_final_drain_hands_back_a_later_token() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct WakeOnDrop(Option<Waiter>, Arc<AtomicBool>);
+    impl Drop for WakeOnDrop {
+        fn drop(&mut self) {
+            if let Some(w) = self.0.take() {
+                w.wake();
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+    watchdog("a_fiber_woken_for_nothing_during_the_final_drain_hands_back_a_later_token", 60, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let asleep = {
+            let sem = Arc::clone(&sem);
+            exec.spawn(move || {
+                tx.send(Waiter::current().unwrap()).unwrap();
+                sem.acquire()
+            })
+        };
+        let stale = rx.recv().unwrap();
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        // Asleep for good with no waiter published: the drain unwinds it
+        // on the worker, and its destructor wakes the first fiber.
+        let (fired, started) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let waker = {
+            let (fired, started) = (fired.clone(), started.clone());
+            exec.spawn(move || {
+                let _g = WakeOnDrop(Some(stale), fired);
+                started.store(true, Ordering::SeqCst);
+                loop {
+                    spindle_fiber::sleep();
+                }
+            })
+        };
+        wait_for(&stage, "the waking fiber to start", || started.load(Ordering::SeqCst));
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(asleep.join().is_err() && waker.join().is_err());
+        assert!(fired.load(Ordering::SeqCst), "the destructor woke the fiber during the drain");
+        assert_eq!(sem.waiters(), 1, "still in its wait");
+        stage.set("releasing one token after shutdown");
+        sem.release(1);
+        assert_eq!((sem.available(), sem.waiters()), (1, 0), "the token came back to the count");
+    });
+}

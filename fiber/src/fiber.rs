@@ -1360,6 +1360,48 @@ impl<T> Fiber<T> {
             })
     }
 
+    /// For schedulers that shut down: lets go of a fiber they still hold,
+    /// queued (`Queued`, taken out as [`mark_dequeued`](Fiber::mark_dequeued)
+    /// does) or taken out to run (`Ready`), for good. The fiber is marked
+    /// refused, as a wake its home refuses marks it (later value-handing
+    /// wakes of it are refused too, until it has another home), and let go
+    /// of through the hook of the wait it is in ([`WaitHook`](crate::WaitHook)),
+    /// so a token or message a primitive handed it goes to the next waiter
+    /// or back to the primitive instead of staying with a fiber nobody will
+    /// run. The fiber ends up `Ready`, in no queue: a handle of its own can
+    /// still run it (it waits again).
+    ///
+    /// `spindle-run-queue` calls this for the fibers left in a queue whose
+    /// last handle goes, and `spindle-executor` for those its workers
+    /// still hold at shutdown.
+    ///
+    /// # Errors
+    ///
+    /// The fiber is neither `Queued` nor `Ready` (it runs, sleeps, has no
+    /// function or finished, or someone holds it for a moment); nothing
+    /// changed. A sleeping fiber needs nothing: its next wake goes to its
+    /// home, which refuses it.
+    pub fn abandon(&self) -> Result<(), FiberError> {
+        let h = self.header();
+        let mut seen = h.state.load();
+        loop {
+            match seen {
+                FiberState::Queued | FiberState::Ready => {
+                    match h.state.transition(seen, FiberState::Locked) {
+                        Ok(()) => break,
+                        Err(found) => seen = found,
+                    }
+                }
+                other => return Err(self.run_error(other)),
+            }
+        }
+        h.home_refused.store(true, Ordering::Relaxed);
+        // SAFETY: we hold it `Locked`; our handle is a reference.
+        let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
+        crate::current::wake_handing_over(next);
+        Ok(())
+    }
+
     /// Whether [`run`](Fiber::run) on the calling thread would be allowed
     /// as far as threads go (it is not refused with
     /// [`WrongThread`](FiberError::WrongThread)): the function is

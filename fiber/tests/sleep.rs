@@ -531,3 +531,43 @@ fn letting_go_of_a_refused_fiber_runs_its_wait_hook() {
         }
     });
 }
+
+/// `abandon`: a scheduler that shuts down lets go of a queued or ready
+/// fiber for good: it is `Ready`, marked refused (a later value-handing
+/// wake is refused), and a fiber in another state is left alone.
+#[test]
+fn an_abandoned_fiber_is_ready_and_refused() {
+    with_watchdog(30, "abandon", || {
+        let empty = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        assert!(empty.abandon().is_err(), "no function: nothing to let go of");
+        assert_eq!(empty.state(), FiberState::Empty);
+
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let slot: Slot = Arc::default();
+        fiber
+            .set_function(Priority::NORMAL, sleeper(slot.clone(), 5))
+            .unwrap();
+        let home: Arc<dyn Schedule<u32>> = Arc::new(ShutDown { pokes: false });
+        fiber.mark_queued(Some(&home)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        assert!(
+            matches!(fiber.abandon(), Err(FiberError::Sleeping(_))),
+            "asleep: its home refuses it"
+        );
+        let waiter = take(&slot);
+
+        fiber.waiter().wake(); // refused: `Ready`
+        fiber.set_home(None).unwrap(); // a new home: no longer refused
+        assert!(fiber.waiter().try_wake().is_ok());
+        fiber.mark_queued(Some(&home)).unwrap();
+        fiber.abandon().unwrap();
+        assert_eq!(fiber.state(), FiberState::Ready, "out of the queue");
+        let refused = waiter.try_wake().expect_err("marked refused");
+        drop(refused);
+        assert!(
+            matches!(fiber.run(), Ok(RunOutcome::Returned(5))),
+            "a handle can still run it"
+        );
+    });
+}

@@ -627,8 +627,10 @@ impl<T> Clone for RunQueue<T> {
 }
 
 impl<T> Drop for RunQueue<T> {
-    /// The last handle releases the fibers still queued (they go back to
-    /// `Ready` and are dropped here unless someone else holds them). A
+    /// The last handle releases the fibers still queued: each is abandoned
+    /// ([`Fiber::abandon`]: back to `Ready`, marked refused, and a token or
+    /// message a primitive handed it goes on to the next waiter) and
+    /// dropped here unless someone else holds it. A
     /// fiber dropped this way, or woken later with nobody holding it,
     /// follows the fiber's own rule for a last handle: a suspended pinned
     /// fiber released on another thread than its own leaks its stack (its
@@ -651,7 +653,7 @@ impl<T> Drop for RunQueue<T> {
             all
         };
         for f in drained {
-            let _ = f.mark_dequeued();
+            let _ = f.abandon();
         }
     }
 }

@@ -589,3 +589,41 @@ fn a_wrong_thread_run_lets_go_of_a_refused_fiber_with_no_fiber_current() {
         }
     });
 }
+
+/// A fiber woken for nothing (an interrupt of its plain wait) is queued
+/// when its queue's last handle goes: the queue abandons it (`Ready`,
+/// marked refused), so the token a release hands it next goes on to the
+/// thread behind. With no handle left to the fiber and the release made on
+/// another thread (where the fiber's stack can only leak), the token still
+/// goes on. (From a review: the queue only took it out of `Queued`, and the
+/// token stayed with it, or leaked with its stack.)
+#[test]
+fn a_fiber_its_queue_abandons_hands_on_the_next_token() {
+    watchdog("a_fiber_its_queue_abandons_hands_on_the_next_token", 30, |stage| {
+        for keep_handle in [true, false] {
+            let sem = Arc::new(Semaphore::new(0));
+            let s = sem.clone();
+            let f = fiber(Priority::NORMAL, move || s.acquire());
+            let queue = RunQueue::new(1);
+            queue.try_push(f.clone()).unwrap();
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+            f.interrupt(); // a plain wait: queued for nothing
+            assert_eq!(f.state(), FiberState::Queued);
+            drop(queue);
+            let kept = keep_handle.then(|| f.clone());
+            drop(f);
+            let s = sem.clone();
+            let thread = std::thread::spawn(move || s.acquire());
+            stage.set(format!("(handle kept: {keep_handle}) the thread waits behind the abandoned fiber"));
+            spin_until(|| sem.waiters() == 2);
+            stage.set(format!("(handle kept: {keep_handle}) the thread must get the released token"));
+            let s = sem.clone();
+            std::thread::spawn(move || s.release(1)).join().unwrap();
+            thread.join().unwrap();
+            assert_eq!((sem.available(), sem.waiters()), (0, 0));
+            if let Some(f) = kept {
+                assert_eq!(f.state(), FiberState::Ready);
+            }
+        }
+    });
+}
