@@ -490,9 +490,9 @@ impl Waiter {
     /// an interrupt's) is already `Ready` in no queue, maybe still in its
     /// wait. This wake then finds it so, holds it, and returns a
     /// `RefusedWake` without asking the scheduler again; that lasts until
-    /// the fiber is given another home
-    /// ([`Fiber::mark_queued`](crate::Fiber::mark_queued) with a new one,
-    /// [`Fiber::set_home`](crate::Fiber::set_home)). While this holds it, a
+    /// the fiber is queued again ([`Fiber::mark_queued`](crate::Fiber::mark_queued))
+    /// or given another home ([`Fiber::set_home`](crate::Fiber::set_home)).
+    /// While this holds it, a
     /// `run` of it through a handle of its own fails with
     /// [`FiberError::Running`](crate::FiberError::Running). A wake that
     /// finds the fiber held by someone else returns `Ok`: whoever holds it

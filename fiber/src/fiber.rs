@@ -1183,9 +1183,10 @@ impl<T: Send + 'static> Fiber<T> {
             let slot = unsafe { self.slot() };
             if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
                 replaced = slot.home.replace(Arc::clone(home));
-                h.home_refused.store(false, Ordering::Relaxed);
             }
         }
+        // Queued by someone: not refused (any more), whatever its home.
+        h.home_refused.store(false, Ordering::Relaxed);
         h.state.store(FiberState::Queued);
         // The previous home is handed out only now: if this was its last
         // reference, its drop runs whatever it owns, which must not find
@@ -1364,7 +1365,8 @@ impl<T> Fiber<T> {
     /// queued (`Queued`, taken out as [`mark_dequeued`](Fiber::mark_dequeued)
     /// does) or taken out to run (`Ready`), for good. The fiber is marked
     /// refused, as a wake its home refuses marks it (later value-handing
-    /// wakes of it are refused too, until it has another home), and let go
+    /// wakes of it are refused too, until it is queued again or given
+    /// another home), and let go
     /// of through the hook of the wait it is in ([`WaitHook`](crate::WaitHook)),
     /// so a token or message a primitive handed it goes to the next waiter
     /// or back to the primitive instead of staying with a fiber nobody will
@@ -1373,7 +1375,11 @@ impl<T> Fiber<T> {
     ///
     /// `spindle-run-queue` calls this for the fibers left in a queue whose
     /// last handle goes, and `spindle-executor` for those its workers
-    /// still hold at shutdown.
+    /// still hold at shutdown. Called on a fiber that is still in a live
+    /// queue, it leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued)
+    /// would): the queue hands it out and runs it as usual, and its next
+    /// requeue clears the mark.
+    ///
     ///
     /// # Errors
     ///

@@ -446,6 +446,15 @@ fn a_value_wake_of_a_fiber_refused_before_is_refused_too() {
         assert!(fiber.waiter().try_wake().is_ok(), "a new home: no longer refused");
         assert_eq!(fiber.state(), FiberState::Ready);
         assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
+
+        // Queued again (by a scheduler that takes it): no longer refused.
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let waiter = asleep_with_home(&fiber, ShutDown { pokes: false });
+        fiber.waiter().wake(); // refused
+        fiber.mark_queued(None).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(waiter.try_wake().is_ok(), "queued again: no longer refused");
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
     });
 }
 
