@@ -563,7 +563,8 @@ unsafe fn wake_refused_before(h: NonNull<Header>) -> Result<(), RefusedWake> {
 /// the wait the fiber is in, if that wait set one ([`WaitHook`]), which
 /// takes back what its primitive handed the fiber and hands it on; the
 /// fiber becomes `Ready`, in no queue (later value-handing wakes of it are
-/// refused too, until it has another home). Then the reference it holds is
+/// refused too, until it is queued again or given another home). Then the
+/// reference it holds is
 /// dropped (a last reference unwinds or leaks the fiber, as any last
 /// reference does).
 ///

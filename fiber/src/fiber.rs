@@ -298,11 +298,16 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// refuses: it returns the `Woken` (its lifetime `'w` makes the one
     /// this call was given the only one it can return). The fiber has been
     /// held since the wake took it (its state reads `Locked`), so no one
-    /// has run it or can: [`Waiter::try_wake`] hands the refusal to the waker, which
-    /// can take back what it handed over (`spindle-sync` gives a refused
-    /// sleeper's token or message to the next waiter); the fiber then ends
-    /// up `Ready` with no queue. Refuse only for good: the fiber, when it
-    /// runs again, finds nothing handed over and waits again.
+    /// has run it or can. It is marked refused. Whoever lets go of it (the
+    /// waker's [`RefusedWake`](crate::RefusedWake) from
+    /// [`Waiter::try_wake`], or the runner for a deferred wake) runs the
+    /// hook of the wait it is in ([`WaitHook`](crate::WaitHook)), which
+    /// takes back what that wait's primitive handed it (`spindle-sync`
+    /// gives a token or message to the next waiter). The fiber then ends up
+    /// `Ready` in no queue, and later value-handing wakes that find it so
+    /// are refused without calling `schedule`, until it is queued again or
+    /// given another home. Refuse only for good: the fiber, when it runs
+    /// again, finds nothing handed over and waits again.
     ///
     /// It may be called from inside [`Fiber::run`], on the runner's thread
     /// (a wake that came while the fiber was switching out to sleep is
@@ -331,8 +336,8 @@ pub trait Schedule<T>: Send + Sync + 'static {
 /// chosen by the caller, so a refusal can only hand back the `Woken` that
 /// call was given. A scheduler cannot keep one past the call, nor answer a
 /// wake with another fiber's `Woken` (or a later one of the same fiber),
-/// which would make the waker take back a value from a wait the fiber is
-/// not in:
+/// which would make the waker let go of, and run the wait hook of, a fiber
+/// that someone else still holds:
 ///
 /// ```compile_fail,E0521
 /// use std::sync::Mutex;
@@ -376,6 +381,8 @@ impl<T> Woken<'_, T> {
         let mut me = ManuallyDrop::new(self);
         // SAFETY: taken once; `me` is not dropped.
         let fiber = unsafe { ManuallyDrop::take(&mut me.fiber) };
+        // Queued by its home: not refused (any more).
+        fiber.header().home_refused.store(false, Ordering::Relaxed);
         fiber.header().state.store(FiberState::Queued);
         fiber
     }
@@ -1029,7 +1036,10 @@ impl<T: Send + 'static> Fiber<T> {
 
     /// A run on a thread that did not make this function's last run (or
     /// the function's first run): refused for a pinned function that has
-    /// run already (false; the state goes back to `Ready`); otherwise
+    /// run already (`ChangeThread::Refused`, the state back to `Ready`, or
+    /// `ChangeThread::RefusedHeld`, left `Locked` when a wake was deferred
+    /// to this claim: the caller lets go of it once the thread's current
+    /// fiber is back); otherwise
     /// counted as a migration if the fiber's last run, of any function, was
     /// on another thread, and remembered.
     ///
@@ -1268,8 +1278,9 @@ impl<T: Send + 'static> Fiber<T> {
                     // Another fiber's `Woken` is let go, and this wake
                     // counts as taken: whoever kept ours decides its fate.
                     Err(w) if w.fiber.inner == me && w.fiber.header().id == me_id => {
-                        // Still held: later wakes of it are refused too
-                        // (`Waiter::try_wake`), until it has a new home.
+                        // Still held: later value-handing wakes that find it
+                        // `Ready` are refused too (`Waiter::try_wake`),
+                        // until it is queued again or given a new home.
                         w.fiber.header().home_refused.store(true, Ordering::Relaxed);
                         Err(w.into_held())
                     }
@@ -1378,8 +1389,7 @@ impl<T> Fiber<T> {
     /// still hold at shutdown. Called on a fiber that is still in a live
     /// queue, it leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued)
     /// would): the queue hands it out and runs it as usual, and its next
-    /// requeue clears the mark.
-    ///
+    /// requeue or accepted wake clears the mark.
     ///
     /// # Errors
     ///

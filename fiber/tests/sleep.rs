@@ -580,3 +580,46 @@ fn an_abandoned_fiber_is_ready_and_refused() {
         );
     });
 }
+
+/// A wake that its home accepts (`Woken::into_queued`) clears the refused
+/// mark: a fiber abandoned while it was still in a live queue is refused
+/// only until it is queued again.
+#[test]
+fn a_wake_its_home_accepts_clears_the_refused_mark() {
+    with_watchdog(30, "accepted_wake_clears_mark", || {
+        let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+        let slot: Slot = Arc::default();
+        let s = slot.clone();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                for _ in 0..2 {
+                    *s.lock().unwrap() = Some(Waiter::current().unwrap());
+                    sleep();
+                }
+                5
+            })
+            .unwrap();
+        let home = Arc::new(Collect(Mutex::new(Vec::new())));
+        let dyn_home: Arc<dyn Schedule<u32>> = home.clone();
+        fiber.mark_queued(Some(&dyn_home)).unwrap();
+        fiber.mark_dequeued().unwrap();
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        let first = take(&slot);
+        fiber.waiter().wake(); // accepted: queued in `Collect`
+        let queued = home.0.lock().unwrap().pop().expect("queued");
+        queued.abandon().unwrap(); // as on a fiber still in a live queue
+        assert!(fiber.waiter().try_wake().is_err(), "marked refused");
+        assert!(
+            matches!(fiber.run(), Ok(RunOutcome::Slept)),
+            "on into its second sleep"
+        );
+        take(&slot).wake(); // its home accepts this wake
+        let queued = home.0.lock().unwrap().pop().expect("queued again");
+        queued.mark_dequeued().unwrap();
+        assert!(
+            first.try_wake().is_ok(),
+            "the mark was cleared when its home queued it"
+        );
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(5))));
+    });
+}

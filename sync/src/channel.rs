@@ -125,8 +125,9 @@ struct Synced {
 unsafe impl Send for Synced {}
 
 impl Synced {
-    /// A message handed to a receiver that was dropped (a fiber unwound)
-    /// before it ran again: to the next receiver, or back into the queue
+    /// A message handed to a receiver that will not take it (a fiber
+    /// unwound before it ran again, or one whose scheduler refused it: its
+    /// wait hook): to the next receiver, or back into the queue
     /// where its push put it. It is older than every message queued the
     /// usual way (messages are handed over only while none is queued), so
     /// it goes in front of those, behind any given back earlier that were
@@ -186,9 +187,9 @@ impl Synced {
 /// destructors run there. `pop` waits (a fiber sleeps, a thread parks)
 /// until a message arrives. A message pushed while receivers
 /// wait is handed straight to the one that waited longest; if that
-/// receiver's run queue or executor refuses its wake (gone or shut down),
-/// `push` takes the message back and hands it to the next receiver, or
-/// queues it.
+/// receiver's run queue or executor refuses its wake or abandons it (gone
+/// or shut down), the receiver's wait hook takes the message back and
+/// hands it to the next receiver, or queues it.
 ///
 /// The caller owns every message: here, a header with its payload in one
 /// heap block, pushed as a raw pointer and taken back from the pointer

@@ -64,14 +64,15 @@ impl Synced {
 /// there is one, else returns `Interrupted` at once.
 ///
 /// A token handed to a sleeping fiber is its own from then on, unless its
-/// run queue or executor refuses the wake (it is gone or shut down, so the
-/// fiber would never run): then `release` takes the token back and gives
-/// it to the next waiter, or to the count; the fiber, if it ever runs
-/// again, waits again. If the fiber is dropped before it runs again, the
-/// unwind gives the token back the same way; if its stack cannot be
-/// unwound (a pinned fiber whose last handle is dropped on another thread
-/// after it was queued: the stack is leaked, see `spindle_fiber`), the
-/// token is lost with it.
+/// run queue or executor refuses the wake or abandons the fiber (it is
+/// gone or shut down, so the fiber would never run): then whoever lets go
+/// of the fiber takes the token back through its wait hook and gives it
+/// to the next waiter, or to the count; the fiber, if it ever runs again,
+/// waits again. If the fiber is dropped before it runs again, the unwind
+/// gives the token back the same way; if its stack cannot be unwound (a
+/// pinned fiber dropped on another thread by a holder that did not
+/// abandon it first: the stack is leaked, see `spindle_fiber`), the token
+/// is lost with it.
 ///
 /// ```
 /// use std::sync::Arc;

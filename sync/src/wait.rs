@@ -11,16 +11,19 @@
 //!
 //! 1. lock; check the condition (a token, a message); if met, take it, done;
 //! 2. put a [`WaitNode`] on its own stack, holding a [`Waiter`] for the
-//!    fiber (or the thread handle), and link it at the tail of the list; a
-//!    fiber also sets its wait hook (step 4), cleared on every way out;
+//!    fiber (or the thread handle); a fiber sets its wait hook (waker step
+//!    4) before linking it and clears it on every way out; link the node at
+//!    the tail of the list;
 //! 3. unlock;
 //! 4. a fiber calls [`spindle_fiber::sleep_on`]; its runner then moves it
 //!    `Running` → `Sleeping`, or, if a waker already came, finishes the
 //!    wake itself; a thread parks until the node's `done` flag is set;
-//! 5. once resumed, read the value the waker left in the node (`DONE`); if
-//!    the waker took it back (`REVOKED`, waker step 4), take what is there
-//!    now (even with an interrupt pending) or link the node again and sleep
-//!    again.
+//! 5. once resumed, check `done`: `DONE`, read the value the waker left in
+//!    the node; still `LINKED` (a spurious wake), check again under the lock
+//!    and sleep again; `REVOKED` (after a refusal, the wait hook took the
+//!    value back, waker step 4), under the lock take what is there now
+//!    (even with an interrupt pending) or link the node again at the tail
+//!    and sleep again.
 //!
 //! Waker:
 //!
@@ -40,14 +43,16 @@
 //!    the sleeper's frame): lock, if the node was handed a value mark it
 //!    `REVOKED`, take the value back and give it on ([`GiveBack`]), make
 //!    the fiber `Ready`, unlock, and wake whoever got the value the same
-//!    way ([`Wakeup::deliver`]). Whoever else lets go of a refused fiber
-//!    (a runner that finishes a deferred wake, another waker's refusal)
+//!    way (`hand_on`: `try_wake`, then `take_back` of each further
+//!    refusal, in a loop). Whoever else lets go of a refused fiber (a
+//!    runner that finishes a deferred wake, another wake's refusal,
+//!    `Fiber::abandon`, a handle's failing call on a fiber marked refused)
 //!    runs the same hook, so a value handed over while someone else held
 //!    the fiber is taken back too.
 //!
 //! The value and the unlinking happen under the lock, so each sleeper gets
 //! exactly one value and a node is never on a list twice; the state machine
-//! in `spindle-fiber` makes the step-4/step-3 race safe; `done` guards
+//! in `spindle-fiber` makes the race of sleeper step 4 with waker step 3 safe; `done` guards
 //! threads against spurious unparks and fibers against spurious wakes (a
 //! `Waiter` of the fiber that it kept from before, woken while it sleeps
 //! here): a fiber resumed before `done` checks again under the lock and
@@ -90,9 +95,10 @@ pub(crate) struct WaitNode {
     value: Cell<*mut ()>,
     /// [`LINKED`] while on the list; [`DONE`] once a waker unlinked it and
     /// handed it `value` (stored with Release; a thread sleeper's node is
-    /// not touched again); [`REVOKED`] if that waker then took the value back
-    /// because the fiber's scheduler refused the wake (under the lock,
-    /// while the refusal keeps the fiber from running).
+    /// not touched again); [`REVOKED`] if, after a refusal, the fiber's wait
+    /// hook took the value back (`take_back_hook`, run under the lock by
+    /// whoever let go of the held fiber); [`LINKED`] again when the fiber
+    /// relinks.
     done: AtomicU8,
     /// Priority to wake a fiber at, if the sleeper asked for one.
     wake_priority: Option<Priority>,
@@ -480,9 +486,10 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         loop {
             spindle_fiber::sleep_on(reason);
             if node.done.load(Ordering::Acquire) == DONE {
-                // Before anything else: from here the fiber may wait
-                // elsewhere, and a refused waker that still holds the
-                // wake of this wait must see that it left.
+                // Before anything else: the hook points into this frame,
+                // and from here the fiber may suspend elsewhere; whoever
+                // lets go of it after a later refusal must not find this
+                // wait's hook.
                 leave_wait();
                 break;
             }
@@ -493,8 +500,9 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 break;
             }
             if done == REVOKED {
-                // A waker handed us a value, our scheduler refused the
-                // wake, and the waker gave the value to someone else.
+                // A waker handed us a value, then a wake of us was refused
+                // (or we were abandoned), and whoever let go of us gave the
+                // value to someone else through our wait hook.
                 // Something ran us anyway: start over. What is there now
                 // is ours, before an interrupt, as on the way in (an
                 // interrupt stays pending then); else wait again, at the
