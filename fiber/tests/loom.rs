@@ -1026,7 +1026,21 @@ fn a_refused_wake_published_as_queued_first_is_caught() {
 /// wake left the value with it).
 #[test]
 fn a_value_handed_to_a_refused_fiber_comes_back_once() {
-    model(|| {
+    model(|| refused_fiber_model(false));
+}
+
+/// The same with `Fiber::abandon` in place of the failing call: the fiber
+/// starts `Queued` (woken for nothing, its home took it) and its home,
+/// shutting down, abandons it (`Queued` → `Locked`, marked refused, let go
+/// through the hook) while the value waker hands it a value and wakes it
+/// and the empty waker's wake finds it queued.
+#[test]
+fn a_value_handed_to_an_abandoned_fiber_comes_back_once() {
+    model(|| refused_fiber_model(true));
+}
+
+fn refused_fiber_model(abandon: bool) {
+    {
         const LINKED: u8 = 0;
         const DONE: u8 = 1;
         const REVOKED: u8 = 2;
@@ -1073,7 +1087,11 @@ fn a_value_handed_to_a_refused_fiber_comes_back_once() {
             }
         }
         let s = Arc::new(Shared {
-            state: StateCell::new(FiberState::Sleeping),
+            state: StateCell::new(if abandon {
+                FiberState::Queued
+            } else {
+                FiberState::Sleeping
+            }),
             refused: AtomicBool::new(false),
             prim: Mutex::new(Prim {
                 node: LINKED,
@@ -1087,8 +1105,17 @@ fn a_value_handed_to_a_refused_fiber_comes_back_once() {
         let failing_call = {
             let s = s.clone();
             thread::spawn(move || {
-                // `set_function` on a started fiber: `Busy`, let go.
-                if s.state.transition(FiberState::Ready, FiberState::Locked).is_ok() {
+                // `set_function` on a started fiber (`Busy`, let go), or
+                // `abandon` of the queued fiber.
+                let from = if abandon {
+                    FiberState::Queued
+                } else {
+                    FiberState::Ready
+                };
+                if s.state.transition(from, FiberState::Locked).is_ok() {
+                    if abandon {
+                        s.refused.store(true, Ordering::Relaxed);
+                    }
                     if s.refused.load(Ordering::Relaxed) {
                         let_go_refused(&s);
                     } else {
@@ -1108,5 +1135,5 @@ fn a_value_handed_to_a_refused_fiber_comes_back_once() {
             "the value handed to the refused fiber must come back once"
         );
         assert_eq!(s.state.load(), FiberState::Ready);
-    });
+    }
 }
