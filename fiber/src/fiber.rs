@@ -1386,10 +1386,14 @@ impl<T> Fiber<T> {
     ///
     /// `spindle-run-queue` calls this for the fibers left in a queue whose
     /// last handle goes, and `spindle-executor` for those its workers
-    /// still hold at shutdown. Called on a fiber that is still in a live
-    /// queue, it leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued)
-    /// would): the queue hands it out and runs it as usual, and its next
-    /// requeue or accepted wake clears the mark.
+    /// still hold at shutdown. Call it only on fibers the scheduler lets go
+    /// of for good. Called on a fiber that is still in a live queue, it
+    /// leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued) would),
+    /// and its next requeue or accepted wake clears the mark; until then a
+    /// wake that hands it a value holds it for a moment to hand the value
+    /// on, and a `run` of it from that queue in that moment fails with
+    /// [`Running`](FiberError::Running) (the fiber is then `Ready` in no
+    /// queue).
     ///
     /// # Errors
     ///

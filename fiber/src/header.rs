@@ -206,7 +206,8 @@ pub(crate) struct Header {
     pub(crate) stackless: AtomicBool,
     /// Set when the fiber's home refused a wake of it for good (the
     /// scheduler shut down, or `Fiber::abandon`), cleared when it is queued
-    /// again (`mark_queued`) or given another home (`set_home`); written only while its
+    /// again (`mark_queued`, `Woken::into_queued`) or given another home
+    /// (`set_home`); written only while its
     /// state is held `Locked`. A value-handing wake (`Waiter::try_wake`)
     /// that finds such a fiber `Ready` is refused too: an earlier refused
     /// wake left it so, maybe still in its wait, and nobody will run it.

@@ -263,8 +263,9 @@ impl<T> fmt::Display for PushError<T> {
             PushError::NotReady(fiber, FiberError::Running(_)) => write!(
                 f,
                 "fiber {} cannot be queued: it is running (on another thread, or it is the caller \
-                 or a fiber that runs the caller): push it once it has suspended; a fiber that \
-                 wants to go back into its queue yields, and its runner requeues it",
+                 or a fiber that runs the caller), or is held for a moment by a wake being finished \
+                 for it: push it once it has suspended (or again); a fiber that wants to go back \
+                 into its queue yields, and its runner requeues it",
                 fiber.id()
             ),
             PushError::NotReady(fiber, FiberError::Sleeping(_)) => write!(
