@@ -595,24 +595,32 @@ impl RefusedWake {
     pub fn take_back(self) -> Option<Waiter> {
         let h = self.header;
         std::mem::forget(self);
-        // SAFETY: we own one reference and hold the state `Locked`.
-        unsafe {
-            let next = let_go_refused(h);
-            (h.as_ref().vtable.release)(h);
-            next
-        }
+        // SAFETY: we owned the reference and the hold; `self` is gone.
+        unsafe { let_go_and_release(h) }
     }
 }
 
 impl Drop for RefusedWake {
+    // Out of line: wakers drop refusals on their common path's cold side.
+    #[cold]
+    #[inline(never)]
     fn drop(&mut self) {
-        // SAFETY: we own a reference and hold the state `Locked`.
-        let next = unsafe {
-            let next = let_go_refused(self.header);
-            (self.header.as_ref().vtable.release)(self.header);
-            next
-        };
-        wake_handing_over(next);
+        // SAFETY: we own a reference and hold the state `Locked`; the
+        // header is not touched again.
+        wake_handing_over(unsafe { let_go_and_release(self.header) });
+    }
+}
+
+/// Lets go of a refused fiber (`let_go_refused`), then drops the reference.
+///
+/// # Safety
+/// The caller hands over one counted reference and the hold (`Locked`).
+unsafe fn let_go_and_release(h: NonNull<Header>) -> Option<Waiter> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let next = let_go_refused(h);
+        (h.as_ref().vtable.release)(h);
+        next
     }
 }
 

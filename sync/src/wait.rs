@@ -43,8 +43,8 @@
 //!    the sleeper's frame): lock, if the node was handed a value mark it
 //!    `REVOKED`, take the value back and give it on ([`GiveBack`]), make
 //!    the fiber `Ready`, unlock, and wake whoever got the value the same
-//!    way (`hand_on`: `try_wake`, then `take_back` of each further
-//!    refusal, in a loop). Whoever else lets go of a refused fiber (a
+//!    way (the refusal's drop: `try_wake`, then `take_back` of each
+//!    further refusal, in a loop). Whoever else lets go of a refused fiber (a
 //!    runner that finishes a deferred wake, another wake's refusal,
 //!    `Fiber::abandon`, a handle's failing call on a fiber marked refused)
 //!    runs the same hook, so a value handed over while someone else held
@@ -67,7 +67,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::thread::Thread;
 
 use parking_lot::{Mutex, MutexGuard};
-use spindle_fiber::{Priority, RefusedWake, WaitHook, WaitReason, WaitToken, Waiter};
+use spindle_fiber::{Priority, WaitHook, WaitReason, WaitToken, Waiter};
 
 /// Who sleeps on a node.
 enum Sleeper {
@@ -241,26 +241,11 @@ impl Wakeup {
     pub(crate) fn deliver(self) {
         match self.sleeper {
             Sleeper::Thread(t) => t.unpark(),
-            Sleeper::Fiber(w) => {
-                if let Err(refused) = w.try_wake() {
-                    hand_on(refused);
-                }
-            }
-        }
-    }
-}
-
-/// Waker step 4, out of the common path: lets go of a refused fiber (its
-/// wait hook takes back what it was handed and hands it on) and wakes
-/// whoever got the value, in a loop: each refusal takes one sleeper off
-/// the list, and a row of refused fibers costs no recursion.
-#[cold]
-#[inline(never)]
-fn hand_on(mut refused: RefusedWake) {
-    while let Some(next) = refused.take_back() {
-        match next.try_wake() {
-            Ok(()) => return,
-            Err(again) => refused = again,
+            // A refusal, dropped, lets go of the fiber through its wait
+            // hook and wakes whoever the value goes on to, in a loop
+            // (`RefusedWake`'s drop: no recursion for a row of refused
+            // fibers).
+            Sleeper::Fiber(w) => drop(w.try_wake()),
         }
     }
 }
