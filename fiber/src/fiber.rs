@@ -1107,9 +1107,7 @@ impl<T: Send + 'static> Fiber<T> {
                 // handed, and the fiber is left `Ready`.
                 if let Err(refused) = unsafe { self.clone().finish_wake_owned() } {
                     // SAFETY: the refusal hands the hold back to us.
-                    let next = unsafe { crate::current::let_go_refused(refused.inner.cast()) };
-                    drop(refused);
-                    crate::current::wake_handing_over(next);
+                    unsafe { refused.let_go_refused_ready() };
                 }
             }
         }
@@ -1134,10 +1132,12 @@ impl<T: Send + 'static> Fiber<T> {
         unsafe { self.let_go_refused_ready() }
     }
 
-    /// `let_go_ready` of a fiber marked refused, out of line.
+    /// Lets go of a held fiber marked refused, through its wait hook
+    /// (`let_go_refused`), and wakes whoever the hook handed a value on to;
+    /// out of line.
     ///
     /// # Safety
-    /// As for `let_go_ready`.
+    /// The caller holds the state `Locked`.
     #[cold]
     #[inline(never)]
     unsafe fn let_go_refused_ready(&self) {
@@ -1416,9 +1416,8 @@ impl<T> Fiber<T> {
             }
         }
         h.home_refused.store(true, Ordering::Relaxed);
-        // SAFETY: we hold it `Locked`; our handle is a reference.
-        let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
-        crate::current::wake_handing_over(next);
+        // SAFETY: we hold it `Locked`.
+        unsafe { self.let_go_refused_ready() };
         Ok(())
     }
 
