@@ -1114,38 +1114,6 @@ impl<T: Send + 'static> Fiber<T> {
         true
     }
 
-    /// Lets go of a `Ready` fiber this call held `Locked` without changing
-    /// it: back to `Ready`, through its wait's hook if its home refused it
-    /// (a value waker that found it held meanwhile left the value to
-    /// whoever lets go of it: see `let_go_refused`).
-    ///
-    /// # Safety
-    /// The caller holds the state `Locked`, and the fiber was `Ready`.
-    #[inline]
-    unsafe fn let_go_ready(&self) {
-        let h = self.header();
-        if !h.home_refused.load(Ordering::Relaxed) {
-            h.state.store(FiberState::Ready);
-            return;
-        }
-        // SAFETY: the caller's contract.
-        unsafe { self.let_go_refused_ready() }
-    }
-
-    /// Lets go of a held fiber marked refused, through its wait hook
-    /// (`let_go_refused`), and wakes whoever the hook handed a value on to;
-    /// out of line.
-    ///
-    /// # Safety
-    /// The caller holds the state `Locked`.
-    #[cold]
-    #[inline(never)]
-    unsafe fn let_go_refused_ready(&self) {
-        // SAFETY: the caller holds `Locked`; our handle is a reference.
-        let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
-        crate::current::wake_handing_over(next);
-    }
-
     /// The function returned or panicked: its stack goes back to the slot.
     #[cold]
     #[inline(never)]
@@ -1331,6 +1299,38 @@ impl<T: Send + 'static> Fiber<T> {
 }
 
 impl<T> Fiber<T> {
+    /// Lets go of a `Ready` fiber this call held `Locked` without changing
+    /// it: back to `Ready`, through its wait's hook if its home refused it
+    /// (a value waker that found it held meanwhile left the value to
+    /// whoever lets go of it: see `let_go_refused`).
+    ///
+    /// # Safety
+    /// The caller holds the state `Locked`, and the fiber was `Ready`.
+    #[inline]
+    unsafe fn let_go_ready(&self) {
+        let h = self.header();
+        if !h.home_refused.load(Ordering::Relaxed) {
+            h.state.store(FiberState::Ready);
+            return;
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.let_go_refused_ready() }
+    }
+
+    /// Lets go of a held fiber marked refused, through its wait hook
+    /// (`let_go_refused`), and wakes whoever the hook handed a value on to;
+    /// out of line.
+    ///
+    /// # Safety
+    /// The caller holds the state `Locked`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn let_go_refused_ready(&self) {
+        // SAFETY: the caller holds `Locked`; our handle is a reference.
+        let next = unsafe { crate::current::let_go_refused(self.inner.cast()) };
+        crate::current::wake_handing_over(next);
+    }
+
     fn header(&self) -> &Header {
         // SAFETY: we own a reference.
         unsafe { &self.inner.as_ref().header }
