@@ -532,14 +532,22 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Changes the priority of `fiber`; if it is in this queue it moves to
-    /// its new place at once (behind fibers already at that priority; one
-    /// set aside for its thread is picked by its new priority).
+    /// its new place at once, behind fibers already at that priority (one
+    /// set aside for its thread too: it goes back among the others).
     pub fn set_priority(&self, fiber: &Fiber<T>, priority: Priority) {
         // Both under the lock: two calls at once would otherwise leave the
         // fiber's priority from one and its place from the other.
         let mut synced = self.shared.synced.lock();
         fiber.set_priority(priority);
-        synced.heap.change_priority(fiber, priority);
+        if !synced.heap.change_priority(fiber, priority) {
+            // Set aside, it counts as the oldest of its level (`pop`), which
+            // it no longer is at the new one. Its thread's poppers take it
+            // from the levels as well; another thread's sets it aside again.
+            if let Some(i) = synced.elsewhere.iter().position(|f| Fiber::ptr_eq(f, fiber)) {
+                let f = synced.elsewhere.remove(i);
+                synced.heap.push(f, priority);
+            }
+        }
         drop(synced);
     }
 }

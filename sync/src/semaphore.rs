@@ -136,6 +136,11 @@ impl Semaphore {
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
     /// woken at `priority`, which stays its priority afterwards (as with
     /// [`set_current_priority`](spindle_fiber::set_current_priority)).
+    ///
+    /// The priority is applied as the wake queues the fiber. A fiber that an
+    /// earlier wake queued already (an interrupt, or a stale
+    /// [`Waiter`](spindle_fiber::Waiter)) keeps its place in its queue and
+    /// takes the token there; the new priority counts from its next push.
     #[track_caller]
     #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {

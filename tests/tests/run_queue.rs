@@ -304,6 +304,51 @@ fn a_push_error_says_what_happened() {
     assert!(!msg.contains("before running it"), "{msg}");
 }
 
+/// A fiber set aside for its own thread and then given a new priority
+/// with `RunQueue::set_priority` goes behind the fibers already at that
+/// priority, as any queued fiber does: being set aside made it the oldest
+/// of its old level, not of its new one.
+#[test]
+fn set_priority_puts_a_set_aside_fiber_behind_older_equals() {
+    let order = watchdog("a set-aside fiber given a new priority", 30, |_stage| {
+        let queue: RunQueue<&'static str> = RunQueue::new(8);
+        let a = fiber(Priority(10), || {
+            yield_now();
+            "a"
+        });
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<&'static str>>();
+        let (q, a2) = (queue.clone(), a.clone());
+        let owner = thread::spawn(move || {
+            q.try_push(a2).unwrap();
+            // Its first run pins `a` to this thread; it yields and is queued again.
+            assert!(matches!(q.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(_))));
+            back_tx.send(vec![]).unwrap();
+            go_rx.recv().unwrap();
+            let mut order = vec![];
+            while let Some(ran) = q.run_next() {
+                if let Ok(RunOutcome::Returned(n)) = ran.outcome {
+                    order.push(n);
+                }
+            }
+            back_tx.send(order).unwrap();
+        });
+        back_rx.recv().unwrap();
+        // A pop on this thread sets `a` aside for its owner.
+        assert!(queue.try_pop().is_none());
+        assert_eq!(queue.stats().wrong_thread, 1);
+        // `e` is at 100 first; then `a` is raised to 100.
+        queue.try_push(fiber(Priority(100), || "e")).unwrap();
+        queue.set_priority(&a, Priority(100));
+        assert_eq!(queue.len(), 2);
+        go_tx.send(()).unwrap();
+        let order = back_rx.recv().unwrap();
+        owner.join().unwrap();
+        order
+    });
+    assert_eq!(order, ["e", "a"], "a was raised to 100 after e was queued there");
+}
+
 /// `RunQueue::set_priority` moves a queued fiber at once (behind fibers
 /// already at the new priority); `Fiber::set_priority` on a queued fiber
 /// takes effect at its next push.
