@@ -727,20 +727,32 @@ impl std::fmt::Debug for WaitHook {
 /// fiber's own stack without a thread-local lookup. Taken by the fiber
 /// from a `Waiter` it made (`spindle-sync`'s waits keep one in their
 /// frame).
+///
+/// It only names a fiber (it holds no reference: the `Waiter` it came
+/// from does), and what it does is `unsafe` and bound to the fiber's own
+/// stack, whatever thread that runs on. So it is `Send` and `Sync`: a
+/// migratable fiber may keep one across a suspension
+/// ([`Fiber::set_function_migratable`](crate::Fiber::set_function_migratable)).
+///
+/// ```
+/// fn assert_send_sync<T: Send + Sync>() {}
+/// assert_send_sync::<spindle_fiber::WaitToken>();
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct WaitToken {
     header: NonNull<Header>,
-    /// Not `Send`: it names the fiber whose stack holds it.
-    _here: std::marker::PhantomData<*const ()>,
 }
+
+// SAFETY: a WaitToken is a name; its only operations are unsafe, with
+// contracts that bind them to the fiber's own stack.
+unsafe impl Send for WaitToken {}
+// SAFETY: as above (it has no `&self` operation).
+unsafe impl Sync for WaitToken {}
 
 impl Waiter {
     /// A token of the fiber this waiter wakes (see [`WaitToken`]).
     pub fn wait_token(&self) -> WaitToken {
-        WaitToken {
-            header: self.header,
-            _here: std::marker::PhantomData,
-        }
+        WaitToken { header: self.header }
     }
 }
 
@@ -749,11 +761,19 @@ impl WaitToken {
     ///
     /// # Safety
     ///
-    /// The fiber is alive and this runs on its stack (it is the current
-    /// fiber: only the fiber writes its hook). `hook` stays valid and in
-    /// place until [`leave_wait`](WaitToken::leave_wait), which the fiber
-    /// calls on every way out of the wait, unwinding included, before the
-    /// hook goes away and before it can wait anywhere else.
+    /// - The fiber is alive and this runs on its stack (it is the current
+    ///   fiber: only the fiber writes its hook).
+    /// - `hook` stays valid and in place until
+    ///   [`leave_wait`](WaitToken::leave_wait), which the fiber calls on
+    ///   every way out of the wait, unwinding included, before the hook
+    ///   goes away and before it can wait anywhere else.
+    /// - The hook's `take_back` keeps [`WaitHook`]'s contract: `let_go`
+    ///   exactly once, under the primitive's lock, no panic, no blocking on
+    ///   anything but that lock. A second `let_go` could let two runners
+    ///   claim the fiber.
+    /// - The hook, and everything `take_back` reaches through it, may be
+    ///   used from another thread (whoever lets go of the fiber) while the
+    ///   fiber is held.
     #[inline]
     pub unsafe fn enter_wait(self, hook: NonNull<WaitHook>) {
         // SAFETY: the caller's contract.

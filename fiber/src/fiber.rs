@@ -737,7 +737,13 @@ impl<T: Send + 'static> Fiber<T> {
     /// Across every suspension point of `f` (a yield or a sleep, in `f` or
     /// anything it calls), the caller guarantees that:
     /// - no value that is not `Send` is alive on the fiber's stack (no `Rc`,
-    ///   `RefCell` borrow guard, `MutexGuard` or other thread-affine value);
+    ///   `RefCell` borrow guard, `MutexGuard` or other thread-affine value).
+    ///   The one exception is the state of a wait on `spindle-sync`'s
+    ///   primitives, which the wait keeps in its frame while the fiber
+    ///   sleeps: it is not `Send` because it holds raw pointers to the
+    ///   primitive and to the fiber, not because it is tied to a thread, and
+    ///   it is written for fibers that move (a wait from a migratable fiber
+    ///   is sound);
     /// - no reference into a thread-local is held (e.g. no suspension inside
     ///   a `LocalKey::with` closure), and thread-locals read after a
     ///   suspension are read through a function that is not inlined into
@@ -855,6 +861,9 @@ impl<T: Send + 'static> Fiber<T> {
         h.yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.drop_yielder.store(std::ptr::null_mut(), Ordering::Relaxed);
         h.sleep_request.store(false, Ordering::Relaxed);
+        // No wait is open now; a primitive that failed to clear its hook
+        // (against `enter_wait`'s contract) leaves no dangling one behind.
+        h.wait_hook.store(std::ptr::null_mut(), Ordering::Relaxed);
         // A new generation, no mark (published by the state store below).
         let generation = (h.interrupt.load(Ordering::Relaxed) >> 1).wrapping_add(1);
         h.interrupt.store(generation << 1, Ordering::Relaxed);
@@ -1126,7 +1135,11 @@ impl<T: Send + 'static> Fiber<T> {
         slot.pin = NO_PIN;
         self.header().pinned_to.store(0, Ordering::Relaxed);
         // The yielder was cleared by the function's root wrapper before its
-        // last switch.
+        // last switch. No wait is open once the function is over (cleared in
+        // case a primitive broke `enter_wait`'s contract).
+        self.header()
+            .wait_hook
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
         self.header().state.store(FiberState::Finished);
     }
 

@@ -229,6 +229,7 @@ pub(crate) struct Header {
     /// The hook of the wait the fiber is in (`WaitToken::enter_wait`; null
     /// outside one): written only by the fiber itself, read by whoever lets
     /// go of it while holding it after a refused wake (`let_go_refused`).
+    /// Also cleared by `set_function` and when the function ends.
     pub(crate) wait_hook: AtomicPtr<crate::current::WaitHook>,
 }
 
