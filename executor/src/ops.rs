@@ -135,15 +135,17 @@ pub fn sleep(d: Duration) {
 
 /// In a fiber whose stack a worker thread unwinds because it was dropped,
 /// while its executor shuts down (the final drain drops what it
-/// cancelled): the timed waits (`sleep`, `sleep_until`, `yield_timeout`)
-/// return at once there, as they do for a fiber that was shut down,
-/// instead of blocking the worker, which the shutdown waits for. (A fiber
-/// dropped on a worker at any other time, one a task drove by hand, sleeps
-/// the thread as on any thread.)
+/// cancelled) or once the worker's loop is over (a thread-local destructor
+/// of the exiting thread woke it): the timed waits (`sleep`,
+/// `sleep_until`, `yield_timeout`) return at once there, as they do for a
+/// fiber that was shut down, instead of blocking the worker's thread,
+/// which the shutdown waits for. (A fiber dropped on a worker at any other
+/// time, one a task drove by hand, sleeps the thread as on any thread.)
 fn dropped_on_a_worker() -> bool {
     spindle_fiber::in_fiber()
         && !spindle_fiber::may_sleep()
-        && current_worker().is_some_and(|w| w.shared.shutdown.load(Ordering::Acquire))
+        && (current_worker().is_some_and(|w| w.shared.shutdown.load(Ordering::Acquire))
+            || crate::worker::worker_loop_over())
 }
 
 /// `now + d`, or, for a `d` too large to add (`Duration::MAX`), a deadline

@@ -103,7 +103,8 @@ pub enum JoinError {
         payload: PanicPayload,
     },
     /// The fiber was cancelled ([`JoinHandle::cancel`](crate::JoinHandle::cancel) or executor shutdown)
-    /// and unwound.
+    /// and unwound. (At shutdown, a fiber asleep when it began is unwound
+    /// just after its join is failed, before the executor's drop returns.)
     Cancelled {
         /// The fiber, if it had started.
         fiber: Option<FiberId>,

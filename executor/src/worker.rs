@@ -27,6 +27,15 @@ const FIBER_CACHE: usize = 64;
 thread_local! {
     /// The worker running on this thread (null elsewhere).
     static CURRENT: Cell<*const WorkerCtx> = const { Cell::new(std::ptr::null()) };
+    /// Set once this thread's worker loop and final drain are over (the
+    /// executor shut down): a fiber unwound here later (a thread-local
+    /// destructor woke it) must not sleep the thread, which the drop joins.
+    static LOOP_OVER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is a worker thread whose loop is over.
+pub(crate) fn worker_loop_over() -> bool {
+    LOOP_OVER.with(Cell::get)
 }
 
 /// What a fiber can reach of its worker: lives as long as the worker
@@ -117,6 +126,7 @@ pub(crate) fn run(shared: Arc<Shared>, index: usize) {
     impl Drop for ClearCurrent {
         fn drop(&mut self) {
             CURRENT.with(|c| c.set(std::ptr::null()));
+            LOOP_OVER.with(|l| l.set(true));
         }
     }
     let _clear = ClearCurrent;
@@ -669,14 +679,19 @@ impl Worker {
                 }
                 continue;
             }
-            for fiber in fibers {
+            // Every task of the batch is completed before any fiber is
+            // dropped: a dropped fiber may be unwound here, and a destructor
+            // of it that joins another task of the batch would otherwise
+            // block this thread for good (that task is completed only by
+            // this loop).
+            for fiber in &fibers {
                 if fiber.sched_data() != 0 {
-                    let task = take_task(&fiber);
+                    let task = take_task(fiber);
                     let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-                    drop(fiber);
                     self.complete(task, Some(err));
                 }
             }
+            drop(fibers);
         }
         self.cache.clear();
     }

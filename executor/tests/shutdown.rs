@@ -699,3 +699,129 @@ fn a_fiber_woken_for_nothing_during_the_final_drain_hands_back_a_later_token() {
         assert_eq!((sem.available(), sem.waiters()), (1, 0), "the token came back to the count");
     });
 }
+
+/// The name of the worker thread the caller runs on, as an index.
+fn worker_index() -> Option<usize> {
+    std::thread::current().name()?.strip_prefix("spindle-worker-")?.parse().ok()
+}
+
+/// Spawns `f` so that it starts on worker `want`: spawns until a job
+/// starts there (a started fiber stays on its worker).
+fn spawn_on<T: Send + 'static>(
+    exec: &Executor,
+    want: usize,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> spindle_executor::JoinHandle<Option<T>> {
+    let f = Arc::new(std::sync::Mutex::new(Some(f)));
+    loop {
+        let (f2, (tx, rx)) = (f.clone(), std::sync::mpsc::channel());
+        let h = exec.spawn(move || {
+            if worker_index() != Some(want) {
+                tx.send(false).unwrap();
+                return None;
+            }
+            let f = f2.lock().unwrap().take().unwrap();
+            tx.send(true).unwrap();
+            Some(f())
+        });
+        if rx.recv().unwrap() {
+            return h;
+        }
+        let _ = h.join();
+    }
+}
+
+/// The final drain completes every task it collected before it drops (and
+/// so unwinds) any of their fibers: a destructor of one that joins another
+/// task of the same worker finds it completed. (From a review: worker 0's
+/// drain woke a fiber asleep in `join` into worker 1's inbox; worker 1's
+/// drain unwound it first, and its destructor's join of a sibling that only
+/// that drain would complete blocked the worker for good: the executor's
+/// drop hung in most rounds.)
+#[test]
+fn a_destructor_joining_a_sibling_during_the_final_drain_returns() {
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<Option<()>>>);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.take().unwrap().join();
+        }
+    }
+    watchdog("a_destructor_joining_a_sibling_during_the_final_drain_returns", 120, |stage| {
+        for round in 0..30 {
+            stage.set(format!("round {round}: setting up"));
+            let exec = Executor::builder().workers(2).max_workers(2).build();
+            let (s1, s2) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+            // C on worker 0 and B on worker 1, asleep on semaphores nobody releases.
+            let c = {
+                let s1 = s1.clone();
+                spawn_on(&exec, 0, move || s1.acquire())
+            };
+            let b = {
+                let s2 = s2.clone();
+                spawn_on(&exec, 1, move || s2.acquire())
+            };
+            // A on worker 1: asleep in a join on C, with a guard that joins B.
+            let joining = Flag::new();
+            let _a = {
+                let (joining, guard) = (joining.clone(), JoinsOnDrop(Some(b)));
+                spawn_on(&exec, 1, move || {
+                    let _guard = guard;
+                    joining.set();
+                    let _ = c.join();
+                })
+            };
+            wait_for(&stage, "B and C asleep, A in its join", || {
+                s1.waiters() == 1 && s2.waiters() == 1 && joining.is_set()
+            });
+            // Something else ran on worker 1 after A set its flag: A is asleep.
+            let _ = spawn_on(&exec, 1, || ()).join();
+            stage.set(format!("round {round}: dropping the executor (A's guard joins B in the drain)"));
+            drop(exec);
+        }
+    });
+}
+
+/// A fiber left asleep in a plain wait at shutdown and woken later by a
+/// thread-local destructor of its worker's thread is unwound there, after
+/// the worker's loop: a destructor of it that sleeps returns at once, as in
+/// the final drain, rather than keep the thread (and so the executor's
+/// drop, which joins it) waiting. (From a review: `sleep(Duration::MAX)`
+/// there hung the drop.)
+#[test]
+fn a_destructor_that_sleeps_after_its_workers_loop_returns() {
+    struct ReleasesOnDrop(Arc<Semaphore>);
+    impl Drop for ReleasesOnDrop {
+        fn drop(&mut self) {
+            self.0.release(1);
+        }
+    }
+    thread_local! {
+        static RELEASER: std::cell::RefCell<Option<ReleasesOnDrop>> = const { std::cell::RefCell::new(None) };
+    }
+    struct SleepsOnDrop(Flag);
+    impl Drop for SleepsOnDrop {
+        fn drop(&mut self) {
+            sleep(Duration::MAX);
+            assert!(!yield_timeout(Duration::MAX), "not woken: shut down");
+            self.0.set();
+        }
+    }
+    watchdog("a_destructor_that_sleeps_after_its_workers_loop_returns", 30, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let sem = Arc::new(Semaphore::new(0));
+        let dropped = Flag::new();
+        let task = {
+            let (sem, guard) = (sem.clone(), SleepsOnDrop(dropped.clone()));
+            exec.spawn(move || {
+                RELEASER.with(|r| *r.borrow_mut() = Some(ReleasesOnDrop(sem.clone())));
+                let _guard = guard;
+                sem.acquire(); // a plain wait: the shutdown leaves the fiber asleep here
+            })
+        };
+        wait_for(&stage, "the fiber to wait on the semaphore", || sem.waiters() == 1);
+        stage.set("dropping the executor: the worker thread's exit wakes and unwinds the fiber");
+        drop(exec);
+        assert!(task.join().expect_err("no value").is_cancelled());
+        assert!(dropped.is_set(), "the destructor ran to its end");
+    });
+}
