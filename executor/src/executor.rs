@@ -666,7 +666,8 @@ impl<T: Send> JoinHandle<T> {
     /// because no stack could be mapped for it (and no fiber that could free
     /// one was left), and [`JoinError::Deadlock`] if deadlock detection
     /// (on by default, see the crate docs) found the executor stuck while
-    /// this thread waited; a fiber joining is not failed that way.
+    /// this thread waited; a fiber joining is not failed that way, but one
+    /// joining its own handle gets [`JoinError::JoinedItself`] at once.
     ///
     /// # Panics
     ///
@@ -677,6 +678,13 @@ impl<T: Send> JoinHandle<T> {
     pub fn join(self) -> Result<T, JoinError> {
         let task = &self.task;
         if !task.finished.load(Ordering::Acquire) {
+            // The task's own fiber (an unfinished task's fiber runs nothing
+            // else) would wait for itself: nothing else sees that.
+            if let Some(me) = spindle_fiber::current_id() {
+                if me.as_u64() == task.started_fiber.load(Ordering::Acquire) {
+                    return Err(JoinError::JoinedItself { fiber: me, name: task.name.clone() });
+                }
+            }
             // A fiber that may not sleep (its stack is being unwound after
             // it was dropped) waits as a thread does.
             if spindle_fiber::may_sleep() {

@@ -118,6 +118,16 @@ pub enum JoinError {
         /// by name, the rest counted).
         report: String,
     },
+    /// The fiber joined its own handle (it had been handed it, say through
+    /// a channel): it would wait for its own end forever. The join fails at
+    /// once, and the fiber goes on; the handle is let go, as after any
+    /// failed join.
+    JoinedItself {
+        /// The fiber.
+        fiber: FiberId,
+        /// Its name, if any.
+        name: Option<Arc<str>>,
+    },
     /// The job never started: no stack could be mapped for its fiber, and
     /// no fiber stack that could be freed was left in the process (or the
     /// mapping was refused outright, not for lack of memory).
@@ -187,6 +197,12 @@ impl fmt::Display for JoinError {
                      one was left ({error}; the executor's stack size is Builder::stack_size)"
                 )
             }
+            JoinError::JoinedItself { fiber, name } => write!(
+                f,
+                "{} joined its own handle: a fiber cannot wait for its own end (join it from another \
+                 fiber or a thread, or drop the handle to let the fiber run on its own)",
+                describe(Some(fiber), name)
+            ),
             JoinError::Deadlock { report } => write!(
                 f,
                 "deadlock: the joined fiber can never finish (nothing runnable, no timer pending) \
@@ -206,6 +222,7 @@ impl fmt::Debug for JoinError {
             JoinError::Panicked { .. } => "Panicked",
             JoinError::Cancelled { .. } => "Cancelled",
             JoinError::Deadlock { .. } => "Deadlock",
+            JoinError::JoinedItself { .. } => "JoinedItself",
             JoinError::NoStack { .. } => "NoStack",
         };
         write!(f, "{variant}: {self}")

@@ -440,3 +440,34 @@ fn a_long_time_slice_does_not_delay_deadlock_detection() {
         assert!(err.is_deadlock(), "expected a deadlock error, got: {err}");
     });
 }
+
+/// A fiber that joins its own handle (sent to it through a channel) would
+/// wait forever, and deadlock detection, which looks at threads' joins,
+/// would not see it: the join fails at once with `JoinedItself`, naming
+/// the fiber, and the fiber goes on. (From a review: it slept for good.)
+#[test]
+fn a_fiber_joining_its_own_handle_fails_at_once() {
+    watchdog("a_fiber_joining_its_own_handle_fails_at_once", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel::<spindle_executor::JoinHandle<()>>();
+        let (report_tx, report_rx) = std::sync::mpsc::channel::<String>();
+        let handle = exec.spawn_with(SpawnOptions::new().name("narcissus"), move || {
+            let me = handle_rx.recv().unwrap();
+            let report = match me.join() {
+                Err(e @ spindle_executor::JoinError::JoinedItself { .. }) => e.to_string(),
+                other => format!("joining itself gave {other:?}"),
+            };
+            report_tx.send(report).unwrap();
+        });
+        let id = handle.fiber_id();
+        stage.set("handing the fiber its own handle; waiting for its report (a hang: it sleeps in the join)");
+        handle_tx.send(handle).unwrap();
+        let report = report_rx.recv().unwrap();
+        assert!(report.contains("joined its own handle"), "{report}");
+        assert!(report.contains("narcissus"), "the report names the fiber: {report}");
+        if let Some(id) = id {
+            assert!(report.contains(&id.to_string()), "the report has the fiber's id: {report}");
+        }
+        drop(exec);
+    });
+}
