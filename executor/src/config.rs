@@ -157,7 +157,13 @@ impl Builder {
         self
     }
 
-    /// How often sysmon looks at the workers (default 250 µs).
+    /// How often sysmon looks at the workers (default 250 µs). It is the
+    /// shortest time sysmon sleeps, so nothing it watches is acted on
+    /// faster: a deadlock is confirmed after the larger of this and
+    /// [`deadlock_grace`](Builder::deadlock_grace), and a time slice
+    /// shorter than two intervals is flagged up to an interval late. (Raise
+    /// it to spend less on sysmon; at 30 s, a deadlocked join is failed
+    /// after 30 s or more, and `yield_if_needed` yields every 30 s or so.)
     ///
     /// # Panics
     ///
@@ -184,8 +190,10 @@ impl Builder {
     /// Sysmon checks every half slice while it watches slices (but at
     /// least every 10 ms, and every 5 ms while the pool can still grow),
     /// so the flag comes between one and one and a half slices after the
-    /// fiber's worker last switched. A long slice does not slow stuck
-    /// detection or deadlock detection.
+    /// fiber's worker last switched; sysmon never looks more often than
+    /// [`sysmon_interval`](Builder::sysmon_interval), so a slice shorter
+    /// than two intervals is flagged up to an interval after it ends. A
+    /// long slice does not slow stuck detection or deadlock detection.
     #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn time_slice(mut self, d: Duration) -> Builder {
         self.time_slice = d;

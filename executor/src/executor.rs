@@ -235,7 +235,10 @@ impl Executor {
 }
 
 impl Handle {
-    /// The executor whose fiber calls this, or `None` elsewhere.
+    /// The executor whose worker thread runs the caller: in one of its
+    /// fibers, or in user code a worker runs outside them (the drop of a
+    /// cancelled job's captures or of an unjoined panic's payload);
+    /// `None` elsewhere.
     pub fn current() -> Option<Handle> {
         crate::worker::current_worker().map(|w| Handle { shared: Arc::clone(&w.shared) })
     }
@@ -529,6 +532,11 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
         let _ = s.join();
     }
     join_workers(shared);
+    // Every worker has left: `stats().workers` says so from now on.
+    {
+        let _scaling = shared.scaling.lock();
+        shared.active.store(0, Ordering::Release);
+    }
     // Jobs that never started: drop them and fail their joins.
     for q in shared.global.iter() {
         while let Some(job) = crate::shared::steal_one(q) {
@@ -578,7 +586,8 @@ pub struct ExecutorStats {
     pub completed: u64,
     /// Of those, cancelled.
     pub cancelled: u64,
-    /// Jobs taken from another worker's queue.
+    /// Jobs taken from another worker's queue (a steal takes up to half
+    /// of it at once; each job counts).
     pub steals: u64,
     /// Woken fibers handed to their worker's inbox.
     pub inbox_handoffs: u64,
@@ -589,7 +598,7 @@ pub struct ExecutorStats {
     pub scale_ups: u64,
     /// Extra workers that retired (one per worker).
     pub scale_downs: u64,
-    /// Active workers now.
+    /// Active workers now (0 once the executor has shut down).
     pub workers: usize,
     /// Most active workers at once.
     pub peak_workers: usize,

@@ -68,8 +68,10 @@ pub(crate) fn check_cancel() {
 /// Spawns a fiber on the executor of the calling fiber.
 ///
 /// # Panics
-/// Outside an executor's fiber; use [`Executor::spawn`](crate::Executor::spawn)
-/// or a [`Handle`] there. That includes a destructor of a fiber dropped
+/// Off an executor's worker threads (it works in the executor's fibers, and
+/// in code a worker runs outside them, such as the drop of a cancelled
+/// job's captures); use [`Executor::spawn`](crate::Executor::spawn) or a
+/// [`Handle`] there. That includes a destructor of a fiber dropped
 /// outside its worker's loop (a worker's thread-local destructor that
 /// wakes it after shutdown; [`Handle::current`] is `None` there), where the
 /// panic, during an unwind, aborts the process: keep a [`Handle`] for

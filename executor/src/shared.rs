@@ -412,6 +412,7 @@ impl Shared {
             }
             let victim = &victims[v];
             let (deque, injector) = (&victim.stealers[class], &victim.fresh[class]);
+            let before = local.len();
             let got = (!deque.is_empty())
                 .then(|| retry(|| deque.steal_batch_and_pop(local)))
                 .flatten()
@@ -419,7 +420,11 @@ impl Shared {
                     (!injector.is_empty()).then(|| retry(|| injector.steal_batch_and_pop(local))).flatten()
                 });
             if let Some(t) = got {
-                WorkerCounters::bump(&self.workers[me].hot.counters.steals);
+                // The job returned and the batch moved into `local` with it
+                // (an estimate: other workers may steal from `local` meanwhile).
+                let c = &self.workers[me].hot.counters.steals;
+                let jobs = local.len().saturating_sub(before) as u64 + 1;
+                c.store(c.load(Ordering::Relaxed) + jobs, Ordering::Relaxed);
                 crate::trace_event!(worker = me, victim = v, "steal");
                 return Some(t);
             }

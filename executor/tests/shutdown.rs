@@ -825,3 +825,18 @@ fn a_destructor_that_sleeps_after_its_workers_loop_returns() {
         assert!(dropped.is_set(), "the destructor ran to its end");
     });
 }
+
+/// Once the executor has shut down, its stats say no worker is active
+/// (they kept the count from before the shutdown).
+#[test]
+fn no_worker_is_active_after_the_drop() {
+    watchdog("no_worker_is_active_after_the_drop", 30, |_stage| {
+        let exec = Executor::builder().workers(3).build();
+        let handle = exec.handle();
+        assert_eq!(handle.stats().workers, 3);
+        drop(exec);
+        let stats = handle.stats();
+        assert_eq!(stats.workers, 0, "{stats:?}");
+        assert_eq!(stats.peak_workers, 3, "{stats:?}");
+    });
+}

@@ -80,8 +80,13 @@ fn fibers_spawned_from_one_fiber_run_on_every_worker() {
         let expected_names: BTreeSet<String> =
             ["spindle-worker-0", "spindle-worker-1"].map(String::from).into();
         assert_eq!(seen, expected_names, "fibers ran on every worker (and only on workers)");
+        // The other worker started more than n/2 + n/8 jobs while the
+        // spawner's held on to about n/2 of them: it took at least n/8 from
+        // there (with slack for the split), and each job counts, not each
+        // steal (a steal takes a batch; counted once per batch, this read
+        // 53 with 2,000 jobs).
         let stats = exec.stats();
-        assert!(stats.steals > 0, "steals counted: {stats:?}");
+        assert!(stats.steals >= (n / 10) as u64, "steals counted per job: {stats:?}");
     });
 }
 
