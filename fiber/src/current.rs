@@ -635,6 +635,31 @@ impl std::fmt::Debug for RefusedWake {
     }
 }
 
+/// What happened and what comes next:
+///
+/// ```
+/// # use spindle_fiber::RefusedWake;
+/// fn assert_error<E: std::error::Error + Send + Sync + 'static>() {}
+/// assert_error::<RefusedWake>();
+/// ```
+impl std::fmt::Display for RefusedWake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // SAFETY: we own a reference.
+        let h = unsafe { self.header.as_ref() };
+        write!(f, "the scheduler of fiber {}", h.id)?;
+        if let Some(name) = &h.name {
+            write!(f, " ('{name}')")?;
+        }
+        f.write_str(
+            " refused its wake for good (it has shut down): letting go of this refusal (drop it, or \
+             take_back) hands what the wait was given to the next waiter and leaves the fiber Ready \
+             in no queue",
+        )
+    }
+}
+
+impl std::error::Error for RefusedWake {}
+
 /// Wakes `next` for a value handed to it, and whoever the value goes on to
 /// after each refusal, in a loop.
 pub(crate) fn wake_handing_over(mut next: Option<Waiter>) {

@@ -172,7 +172,8 @@ pub enum FiberError {
     NoFunction(FiberId),
     /// `run` on a fiber whose function already returned or panicked.
     Finished(FiberId),
-    /// `set_function` on a fiber suspended in the middle of its function.
+    /// `set_function` on a fiber suspended in the middle of its function
+    /// (it yielded, or it sleeps on a synchronisation primitive).
     Busy(FiberId),
     /// `run` or `set_function` on a fiber that is running right now: on
     /// another thread, or on this one (the caller is that fiber, or a
@@ -180,8 +181,9 @@ pub enum FiberError {
     Running(FiberId),
     /// `run` or `set_function` on a fiber that sits in a run queue.
     Queued(FiberId),
-    /// `run` or `set_function` on a fiber that sleeps on a synchronisation
-    /// primitive.
+    /// `run` of a fiber that sleeps on a synchronisation primitive
+    /// (`set_function` on it gives [`Busy`](FiberError::Busy): it is in
+    /// the middle of its function).
     Sleeping(FiberId),
     /// `mark_dequeued` on a fiber that is not in a queue.
     NotQueued(FiberId),
@@ -222,7 +224,8 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Queued(id) => write!(
                 f,
-                "fiber {id} is in a run queue: pop it from the queue before running it"
+                "fiber {id} is in a run queue: pop it from the queue before running it or setting \
+                 its function"
             ),
             FiberError::Sleeping(id) => write!(
                 f,

@@ -704,9 +704,9 @@ impl<T: Send + 'static> Fiber<T> {
     ///
     /// # Errors
     ///
-    /// [`FiberError::Busy`] while a started function is suspended,
-    /// [`FiberError::Running`], [`FiberError::Queued`] or
-    /// [`FiberError::Sleeping`] while it runs, waits in a queue or sleeps,
+    /// [`FiberError::Busy`] while a started function is suspended (yielded
+    /// or asleep), [`FiberError::Running`] or [`FiberError::Queued`] while
+    /// it runs or waits in a queue,
     /// and [`FiberError::NoStack`] for a fiber that lost its stack when it
     /// was dropped mid-function. The fiber is left as it was, and `f` is
     /// dropped.
@@ -1556,6 +1556,31 @@ impl<T> Fiber<T> {
         a.inner == b.inner
     }
 
+    /// Whether the fiber is `Ready` now: `Ok`, or the error [`run`](Fiber::run)
+    /// and [`mark_queued`](Fiber::mark_queued) would give for the state it
+    /// is in. A snapshot: another handle may change the state at once. For
+    /// schedulers that refuse a fiber for a reason of their own (a full
+    /// queue) and would rather report a fiber that cannot be queued at all.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, FiberError, Priority};
+    ///
+    /// let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    /// assert!(matches!(fiber.check_ready(), Err(FiberError::NoFunction(_))));
+    /// fiber.set_function(Priority::NORMAL, || ()).unwrap();
+    /// assert!(fiber.check_ready().is_ok());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The fiber is not `Ready`: as for [`run`](Fiber::run).
+    pub fn check_ready(&self) -> Result<(), FiberError> {
+        match self.header().state.load() {
+            FiberState::Ready => Ok(()),
+            found => Err(self.run_error(found)),
+        }
+    }
+
     fn run_error(&self, found: FiberState) -> FiberError {
         let id = self.header().id;
         match found {
@@ -1577,7 +1602,8 @@ impl<T> Fiber<T> {
         match found {
             FiberState::Running | FiberState::RunningWoken | FiberState::Locked => FiberError::Running(id),
             FiberState::Queued => FiberError::Queued(id),
-            FiberState::Sleeping => FiberError::Sleeping(id),
+            // Asleep is always mid-function: `Sleeping`'s advice (wait for
+            // the wake, then run it) would lead to `Busy` next.
             _ => FiberError::Busy(id),
         }
     }

@@ -59,10 +59,11 @@ fn a_sleeping_fiber_is_woken_by_its_waiter() {
             msg.contains("leave it until a wake"),
             "message says what to do: {msg}"
         );
-        assert!(matches!(
-            fiber.set_function(Priority::NORMAL, || 0),
-            Err(FiberError::Sleeping(_))
-        ));
+        // A new function is refused as for any fiber in the middle of
+        // its function (`Sleeping`'s advice, wait for the wake and run it,
+        // would only lead to `Busy` next).
+        let err = fiber.set_function(Priority::NORMAL, || 0).unwrap_err();
+        assert!(matches!(err, FiberError::Busy(_)), "{err:?}");
         assert_eq!(fiber.state(), FiberState::Sleeping);
 
         let waiter = take(&slot);

@@ -115,7 +115,10 @@ struct Synced<T> {
     heap: Levels<T>,
     /// Fibers (`Queued`) pinned to a thread other than the one that popped
     /// them, oldest first: only their own thread takes them. Usually empty.
-    elsewhere: Vec<Fiber<T>>,
+    /// Each with the level it was queued at: a set-aside fiber keeps its
+    /// place as a fiber in the levels does, whatever `Fiber::set_priority`
+    /// does meanwhile (that takes effect at its next push).
+    elsewhere: Vec<(Fiber<T>, Priority)>,
     /// Poppers parked on the condvar.
     sleepers: usize,
     /// Counters: plain fields, since every operation holds the lock anyway.
@@ -140,8 +143,8 @@ impl<T> Synced<T> {
         // The highest-priority fiber set aside for this thread (the oldest
         // among equals), if any: usually there is none to look at.
         let mut mine: Option<(usize, Priority)> = None;
-        for (i, f) in self.elsewhere.iter().enumerate() {
-            let p = f.priority();
+        for (i, (f, p)) in self.elsewhere.iter().enumerate() {
+            let p = *p;
             if mine.map_or(true, |(_, best)| p > best) && f.may_run_here() {
                 mine = Some((i, p));
             }
@@ -149,15 +152,17 @@ impl<T> Synced<T> {
         let found = loop {
             match (mine, self.heap.top()) {
                 // Set aside before the heap's fibers of its level: older.
-                (Some((i, p)), top) if top.map_or(true, |t| t <= p) => break Some(self.elsewhere.remove(i)),
+                (Some((i, p)), top) if top.map_or(true, |t| t <= p) => {
+                    break Some(self.elsewhere.remove(i).0)
+                }
                 (_, None) => break None,
-                _ => {
+                (_, Some(level)) => {
                     let f = self.heap.pop().expect("the heap has a top level");
                     if f.may_run_here() {
                         break Some(f);
                     }
                     self.stats.wrong_thread += 1;
-                    self.elsewhere.push(f);
+                    self.elsewhere.push((f, level));
                     set_aside = true;
                 }
             }
@@ -351,6 +356,12 @@ impl<T: Send + 'static> RunQueue<T> {
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
         let mut synced = self.shared.synced.lock();
         if synced.len() >= self.shared.capacity {
+            // A fiber that could not be queued anyway says why, rather than
+            // sending its caller to make room for it.
+            if let Err(e) = fiber.check_ready() {
+                drop(synced);
+                return Err(PushError::NotReady(fiber, e));
+            }
             synced.stats.full_pushes += 1;
             drop(synced);
             return Err(PushError::Full(fiber));
@@ -503,7 +514,8 @@ impl<T: Send + 'static> RunQueue<T> {
             synced.stats.wrong_thread += 1;
             // It enters the queue again (its pop was counted).
             synced.stats.pushes += 1;
-            synced.elsewhere.push(fiber.clone());
+            // Pushed again: at the priority it has now.
+            synced.elsewhere.push((fiber.clone(), fiber.priority()));
             self.shared.len_hint.store(synced.len(), Ordering::Relaxed);
             drop(synced);
             self.shared.not_empty.notify_all();
@@ -543,8 +555,8 @@ impl<T: Send + 'static> RunQueue<T> {
             // Set aside, it counts as the oldest of its level (`pop`), which
             // it no longer is at the new one. Its thread's poppers take it
             // from the levels as well; another thread's sets it aside again.
-            if let Some(i) = synced.elsewhere.iter().position(|f| Fiber::ptr_eq(f, fiber)) {
-                let f = synced.elsewhere.remove(i);
+            if let Some(i) = synced.elsewhere.iter().position(|(f, _)| Fiber::ptr_eq(f, fiber)) {
+                let (f, _) = synced.elsewhere.remove(i);
                 synced.heap.push(f, priority);
             }
         }
@@ -658,7 +670,7 @@ impl<T> Drop for RunQueue<T> {
         let drained: Vec<Fiber<T>> = {
             let mut synced = self.shared.synced.lock();
             let mut all: Vec<Fiber<T>> = std::iter::from_fn(|| synced.heap.pop()).collect();
-            all.append(&mut synced.elsewhere);
+            all.extend(synced.elsewhere.drain(..).map(|(f, _)| f));
             all
         };
         for f in drained {

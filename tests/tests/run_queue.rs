@@ -967,3 +967,72 @@ fn a_run_queues_debug_is_one_snapshot() {
         runner.join().unwrap();
     });
 }
+
+/// A full queue answers a fiber that could not be queued anyway with why
+/// (`NotReady`), not with `Full`: making room would not help it. (From a
+/// review: a finished or already queued fiber got `Full`, and the advice
+/// to pop fibers first.)
+#[test]
+fn a_full_queue_reports_a_fiber_that_cannot_be_queued_as_not_ready() {
+    let queue = RunQueue::<()>::new(1);
+    let other = RunQueue::<()>::new(1);
+    queue.try_push(fiber(Priority::NORMAL, || ())).unwrap();
+
+    let finished = fiber(Priority::NORMAL, || ());
+    finished.run().unwrap().unwrap_returned();
+    match queue.try_push(finished.clone()) {
+        Err(PushError::NotReady(back, FiberError::Finished(id))) => {
+            assert!(Fiber::ptr_eq(&back, &finished));
+            assert_eq!(id, finished.id());
+        }
+        other => panic!("a finished fiber pushed onto a full queue gave {other:?}"),
+    }
+
+    let queued = fiber(Priority::NORMAL, || ());
+    other.try_push(queued.clone()).unwrap();
+    let err = queue.try_push(queued).unwrap_err();
+    assert!(matches!(err, PushError::NotReady(_, FiberError::Queued(_))), "{err:?}");
+    assert_eq!(queue.stats().full_pushes, 0, "neither counts as a full push");
+
+    // A runnable fiber is still refused as `Full`.
+    let ready = fiber(Priority::NORMAL, || ());
+    assert!(matches!(queue.try_push(ready), Err(PushError::Full(_))));
+    assert_eq!(queue.stats().full_pushes, 1);
+}
+
+/// `Fiber::set_priority` on a queued fiber takes effect at its next push,
+/// also for one set aside for its thread: it keeps the place of the level
+/// it was queued at. (From a review: set aside, it was ranked by its new
+/// priority at once.)
+#[test]
+fn a_set_aside_fiber_keeps_its_place_when_its_priority_changes() {
+    let first = watchdog("a set-aside fiber's own priority change", 30, |_stage| {
+        let queue: RunQueue<&'static str> = RunQueue::new(8);
+        let x = fiber(Priority::NORMAL, || {
+            yield_now();
+            "x"
+        });
+        queue.try_push(x.clone()).unwrap();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (res_tx, res_rx) = std::sync::mpsc::channel::<&'static str>();
+        let q = queue.clone();
+        let owner = thread::spawn(move || {
+            // x is pinned to this thread, yields and is queued again.
+            assert!(matches!(q.run_next().unwrap().outcome, Ok(RunOutcome::Yielded(0))));
+            go_rx.recv().unwrap();
+            let ran = q.run_next().unwrap();
+            res_tx.send(ran.outcome.unwrap().unwrap_returned()).unwrap();
+            while q.run_next().is_some() {}
+        });
+        spin_until(|| queue.stats().pushes >= 2);
+        assert!(queue.try_pop().is_none(), "x is set aside for its thread");
+        assert_eq!(queue.stats().wrong_thread, 1);
+        queue.try_push(fiber(Priority(1), || "y")).unwrap();
+        x.set_priority(Priority::LOWEST); // counts from its next push
+        go_tx.send(()).unwrap();
+        let first = res_rx.recv().unwrap();
+        owner.join().unwrap();
+        first
+    });
+    assert_eq!(first, "x", "x was queued at NORMAL and y at 1");
+}
