@@ -1844,8 +1844,9 @@ impl<T> fmt::Debug for Fiber<T> {
             .field("priority", &h.priority())
             .field("stack_size", &h.stack_size);
         if h.stackless.load(Ordering::Relaxed) {
-            // Its stack went back when its function was unwound (NoStack).
-            d.field("stack", &"released");
+            // Its function was unwound on drop (NoStack): its stack went
+            // back to the pool, or was leaked if the unwind could not end.
+            d.field("stack", &"gone");
         }
         d.finish()
     }

@@ -507,7 +507,7 @@ fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_
         assert!(matches!(fiber.run(), Err(FiberError::NoStack(_))));
         let shown = format!("{fiber:?}");
         assert!(
-            shown.contains("stack: \"released\""),
+            shown.contains("stack: \"gone\""),
             "Debug says the stack is gone: {shown}"
         );
     });
