@@ -532,11 +532,6 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
         let _ = s.join();
     }
     join_workers(shared);
-    // Every worker has left: `stats().workers` says so from now on.
-    {
-        let _scaling = shared.scaling.lock();
-        shared.active.store(0, Ordering::Release);
-    }
     // Jobs that never started: drop them and fail their joins.
     for q in shared.global.iter() {
         while let Some(job) = crate::shared::steal_one(q) {
@@ -545,6 +540,12 @@ fn shut_down(handle: Handle, sysmon: Option<ThreadHandle<()>>) {
     }
     if shared.config.stats_at_shutdown {
         warn!("spindle-executor stats: {:?}", handle.stats());
+    }
+    // Every worker has left: `stats().workers` says so from now on (after
+    // the dump above, which shows the workers active at the end).
+    {
+        let _scaling = shared.scaling.lock();
+        shared.active.store(0, Ordering::Release);
     }
 }
 
@@ -691,6 +692,10 @@ impl<T: Send> JoinHandle<T> {
             // else) would wait for itself: nothing else sees that.
             if let Some(me) = spindle_fiber::current_id() {
                 if me.as_u64() == task.started_fiber.load(Ordering::Acquire) {
+                    // Still a cancellation point, as any join that would wait.
+                    if spindle_fiber::may_sleep() {
+                        crate::ops::check_cancel();
+                    }
                     return Err(JoinError::JoinedItself { fiber: me, name: task.name.clone() });
                 }
             }

@@ -137,7 +137,9 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
     ///
     /// # Errors
     ///
-    /// As [`JoinHandle::join`]: the fiber panicked or was cancelled.
+    /// As [`JoinHandle::join`]: the fiber panicked or was cancelled, never
+    /// started (no stack), deadlock detection failed the join, or the
+    /// fiber joined its own handle ([`JoinError::JoinedItself`]).
     #[track_caller]
     pub fn join(self) -> Result<T, JoinError> {
         self.inner.join()

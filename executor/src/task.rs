@@ -103,8 +103,10 @@ pub enum JoinError {
         payload: PanicPayload,
     },
     /// The fiber was cancelled ([`JoinHandle::cancel`](crate::JoinHandle::cancel) or executor shutdown)
-    /// and unwound. (At shutdown, a fiber asleep when it began is unwound
-    /// just after its join is failed, before the executor's drop returns.)
+    /// and unwound. (At shutdown, a fiber the final drain drops is unwound
+    /// just after its join is failed, before the executor's drop returns;
+    /// one asleep in a plain wait on a `spindle-sync` primitive is not
+    /// unwound by the shutdown at all: see [`Executor`](crate::Executor).)
     Cancelled {
         /// The fiber, if it had started.
         fiber: Option<FiberId>,

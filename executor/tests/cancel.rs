@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{wait_for, watchdog, Flag};
-use spindle_executor::{sleep, yield_now, Executor, JoinError, SpawnOptions};
+use spindle_executor::{sleep, yield_now, Executor, JoinError, JoinHandle, SpawnOptions};
 use spindle_sync::{Channel, Interrupted, Msg, Semaphore};
 
 #[test]
@@ -569,5 +569,45 @@ fn a_waiter_kept_from_an_earlier_task_does_not_interrupt_the_next() {
             (Ok::<(), Interrupted>(()), false),
             "the kept waiter neither interrupted the wait nor marked the fiber"
         );
+    });
+}
+
+/// A join is a cancellation point, also one that fails at once because the
+/// fiber joins its own handle: a cancelled fiber unwinds there rather than
+/// get `JoinedItself` and go on. (From a review of the self-join check,
+/// which first returned before the cancellation point.)
+#[test]
+fn a_cancelled_fiber_joining_its_own_handle_unwinds() {
+    watchdog("a_cancelled_fiber_joining_its_own_handle_unwinds", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel::<JoinHandle<()>>();
+        let (report_tx, report_rx) = std::sync::mpsc::channel::<&'static str>();
+        let (go, started) = (Flag::new(), Flag::new());
+        let handle = {
+            let (go, started) = (go.clone(), started.clone());
+            exec.spawn(move || {
+                started.set();
+                // No cancellation point until `go`.
+                while !go.is_set() {
+                    std::hint::spin_loop();
+                }
+                let me = handle_rx.recv().unwrap();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.join()));
+                report_tx.send(if r.is_err() { "unwound" } else { "returned" }).unwrap();
+                if let Err(unwind) = r {
+                    std::panic::resume_unwind(unwind);
+                }
+            })
+        };
+        stage.set("waiting for the fiber to start");
+        while !started.is_set() {
+            std::hint::spin_loop();
+        }
+        handle.cancel();
+        handle_tx.send(handle).unwrap();
+        go.set();
+        stage.set("waiting for the fiber's join of itself");
+        assert_eq!(report_rx.recv().unwrap(), "unwound", "a join is a cancellation point");
+        drop(exec);
     });
 }

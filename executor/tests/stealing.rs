@@ -53,10 +53,10 @@ fn fibers_spawned_from_one_fiber_run_on_every_worker() {
                         })
                     })
                     .collect();
-                // Spawns go round-robin, so about half of the jobs sit in
-                // this worker's own queue. Keep this worker busy (no yield)
-                // until more than half have started: only the other worker
-                // can have started them, so it stole from this one.
+                // Spawns from a fiber go to its worker's own queue, so every
+                // job starts there. Keep this worker busy (no yield) until
+                // more than half have started: only the other worker can
+                // have started them, so it stole them from this one.
                 let more_than_half = n / 2 + n / 8;
                 // A plain spin (`wait_for` would yield, and this worker could
                 // then start its own jobs itself), until the other worker
@@ -80,13 +80,12 @@ fn fibers_spawned_from_one_fiber_run_on_every_worker() {
         let expected_names: BTreeSet<String> =
             ["spindle-worker-0", "spindle-worker-1"].map(String::from).into();
         assert_eq!(seen, expected_names, "fibers ran on every worker (and only on workers)");
-        // The other worker started more than n/2 + n/8 jobs while the
-        // spawner's held on to about n/2 of them: it took at least n/8 from
-        // there (with slack for the split), and each job counts, not each
-        // steal (a steal takes a batch; counted once per batch, this read
-        // 53 with 2,000 jobs).
+        // The other worker started more than n/2 + n/8 jobs, every one of
+        // them taken from the spawner's queue, and each job counts, not
+        // each steal (a steal takes a batch; counted once per batch, this
+        // read 53 with 2,000 jobs).
         let stats = exec.stats();
-        assert!(stats.steals >= (n / 10) as u64, "steals counted per job: {stats:?}");
+        assert!(stats.steals >= (n / 2) as u64, "steals counted per job: {stats:?}");
     });
 }
 

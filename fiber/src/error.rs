@@ -212,8 +212,9 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Busy(id) => write!(
                 f,
-                "fiber {id} is suspended in the middle of its function: run it to completion (or \
-                 drop it) before setting a new function"
+                "fiber {id} is suspended in the middle of its function (it yielded or sleeps): let \
+                 it run to completion (wake it if it sleeps) or drop it before setting a new \
+                 function"
             ),
             FiberError::Running(id) => write!(
                 f,
@@ -224,8 +225,8 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Queued(id) => write!(
                 f,
-                "fiber {id} is in a run queue: pop it from the queue before running it or setting \
-                 its function"
+                "fiber {id} is in a run queue: pop it from the queue before running it (or, if it \
+                 has not started, before giving it a new function)"
             ),
             FiberError::Sleeping(id) => write!(
                 f,

@@ -207,7 +207,7 @@ fn every_message_names_the_fiber_and_says_what_to_do() {
     let cases = [
         (FiberError::NoFunction(id), "set_function"),
         (FiberError::Finished(id), "set_function"),
-        (FiberError::Busy(id), "run it to completion"),
+        (FiberError::Busy(id), "let it run to completion"),
         (FiberError::Running(id), "wait until it has suspended"),
         (FiberError::Queued(id), "pop it from the queue"),
         (FiberError::Sleeping(id), "leave it until a wake"),

@@ -92,7 +92,7 @@ fn set_function_while_suspended_is_busy_and_leaves_the_fiber_alone() {
         let msg = err.to_string();
         assert!(msg.contains("suspended in the middle of its function"), "{msg}");
         assert!(
-            msg.contains("run it to completion"),
+            msg.contains("let it run to completion"),
             "message says what to do: {msg}"
         );
         assert!(msg.contains("drop it"), "message gives the alternative: {msg}");

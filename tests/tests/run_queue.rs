@@ -305,11 +305,11 @@ fn a_push_error_says_what_happened() {
 }
 
 /// A fiber set aside for its own thread and then given a new priority
-/// with `RunQueue::set_priority` goes behind the fibers already at that
-/// priority, as any queued fiber does: being set aside made it the oldest
-/// of its old level, not of its new one.
+/// with `RunQueue::set_priority` moves at once, as any queued fiber does:
+/// it goes back into the levels at its new one. (Found in review: it was
+/// left set aside at its old level, so raising it did nothing.)
 #[test]
-fn set_priority_puts_a_set_aside_fiber_behind_older_equals() {
+fn set_priority_moves_a_set_aside_fiber() {
     let order = watchdog("a set-aside fiber given a new priority", 30, |_stage| {
         let queue: RunQueue<&'static str> = RunQueue::new(8);
         let a = fiber(Priority(10), || {
@@ -334,19 +334,19 @@ fn set_priority_puts_a_set_aside_fiber_behind_older_equals() {
             back_tx.send(order).unwrap();
         });
         back_rx.recv().unwrap();
-        // A pop on this thread sets `a` aside for its owner.
+        // A pop on this thread sets `a` aside for its owner, at level 10.
         assert!(queue.try_pop().is_none());
         assert_eq!(queue.stats().wrong_thread, 1);
-        // `e` is at 100 first; then `a` is raised to 100.
+        // `e` waits at 100; `a` is raised above it.
         queue.try_push(fiber(Priority(100), || "e")).unwrap();
-        queue.set_priority(&a, Priority(100));
+        queue.set_priority(&a, Priority(200));
         assert_eq!(queue.len(), 2);
         go_tx.send(()).unwrap();
         let order = back_rx.recv().unwrap();
         owner.join().unwrap();
         order
     });
-    assert_eq!(order, ["e", "a"], "a was raised to 100 after e was queued there");
+    assert_eq!(order, ["a", "e"], "a was raised to 200, above e at 100");
 }
 
 /// `RunQueue::set_priority` moves a queued fiber at once (behind fibers
