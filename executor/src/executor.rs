@@ -208,7 +208,11 @@ impl Executor {
     /// [`Scope`](crate::Scope). "Joined" means its stack is done: a scoped
     /// fiber asleep on a `spindle-sync` primitive when the executor shuts
     /// down keeps the scope waiting until something signals it (see the
-    /// shutdown notes on [`Executor`]).
+    /// shutdown notes on [`Executor`]). A fiber you drive by hand that waits
+    /// in a scope must not be dropped before the scope returns: unwinding a
+    /// dropped stack cannot suspend, so its scope blocks the thread until
+    /// the scoped fibers finish, and those that started on the same worker
+    /// then never run again (the worker hangs).
     ///
     /// # Panics
     ///

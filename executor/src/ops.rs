@@ -92,7 +92,9 @@ where
 /// Lets other fibers run; the caller goes to the back of its worker's
 /// queue for its priority class. On an ordinary thread, yields the thread,
 /// and so it does in a destructor run while a dropped fiber's stack is
-/// unwound (see [`spindle_fiber::yield_value`]).
+/// unwound (see [`spindle_fiber::yield_value`]). In a fiber driven by hand
+/// inside an executor fiber, it yields to that driver, as
+/// `spindle_fiber::yield_now` does, and is no cancellation point.
 /// A cancelled fiber unwinds here (unlike `spindle_fiber::yield_now`,
 /// which knows nothing of cancellation). To leave the queue until woken
 /// instead ([`JoinHandle::wake`](crate::JoinHandle::wake)) or a timeout,
@@ -110,9 +112,20 @@ pub fn yield_now() {
 /// apart: the flag comes one to one and a half slices after the worker
 /// last switched). Costs a
 /// thread-local read and a relaxed swap otherwise: call it in long loops.
+///
+/// In a fiber driven by hand inside an executor fiber, it yields that
+/// fiber to its driver and leaves the flag set, so that the executor
+/// fiber yields too at its own next check.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
-        if w.me().hot.preempt.swap(false, Ordering::Relaxed) {
+        let preempt = &w.me().hot.preempt;
+        if preempt.swap(false, Ordering::Relaxed) {
+            if current_task().is_none() {
+                // Not the worker's own fiber: its yield goes to its driver,
+                // not to the worker, so the flag stays for the driver
+                // (taken here, it starved the worker's other fibers).
+                preempt.store(true, Ordering::Relaxed);
+            }
             yield_now();
         }
     }
@@ -187,7 +200,9 @@ pub fn sleep_until(deadline: Instant) {
 
 /// Sleeps until woken by [`JoinHandle::wake`] or until `d` passes
 /// (Tarantool's `fiber_yield_timeout`). Returns `true` if the time ran out.
-/// On an ordinary thread, sleeps for `d` and returns `true`. A cancelled
+/// On an ordinary thread, or in a fiber something other than the executor
+/// runs (one driven by hand inside an executor fiber), the thread sleeps
+/// for `d` and it returns `true`. A cancelled
 /// fiber unwinds here; where it cannot (a destructor running during its
 /// unwind, or at shutdown), a cancel or shutdown ends the wait at once,
 /// as a wake does (`false`).

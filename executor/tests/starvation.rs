@@ -160,3 +160,52 @@ fn a_fiber_that_keeps_spawning_does_not_starve_jobs_from_outside() {
         flood.join().unwrap();
     });
 }
+
+/// The same with the hog's loop inside a fiber it drives by hand: the
+/// nested fiber's `yield_if_needed` yields to the hog, and leaves the flag
+/// for the hog's own check, which yields the worker. (From a review: the
+/// nested fiber took the flag each time, so the hog never yielded and the
+/// second fiber waited until the hog was done; the worker got away only
+/// when sysmon set the flag between the two checks, after some seconds,
+/// hence the shorter watchdog.)
+#[test]
+fn cooperative_preemption_through_a_nested_fiber() {
+    use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    watchdog("cooperative_preemption_through_a_nested_fiber", 10, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).time_slice(Duration::from_millis(5)).build();
+        let stop = Flag::new();
+        let hogging = Flag::new();
+        stage.set("starting a hog whose loop runs in a fiber it drives");
+        let hog = {
+            let (stop, hogging) = (stop.clone(), hogging.clone());
+            exec.spawn(move || {
+                hogging.set();
+                let start = Instant::now();
+                let inner: Fiber<()> = Fiber::new(FiberAttr::new()).unwrap();
+                inner
+                    .set_function(Priority::NORMAL, move || {
+                        while !stop.is_set() && start.elapsed() < RUNAWAY {
+                            yield_if_needed();
+                        }
+                    })
+                    .unwrap();
+                loop {
+                    match inner.run().unwrap() {
+                        RunOutcome::Yielded(_) => yield_if_needed(),
+                        RunOutcome::Returned(()) => break,
+                        other => panic!("the nested fiber gave {other:?}"),
+                    }
+                }
+            })
+        };
+        wait_for(&stage, "the hog to hold the only worker", || hogging.is_set());
+
+        let second = exec.spawn(|| "ran");
+        wait_for(&stage, "the second fiber to complete behind the hog on the only worker", || {
+            second.is_finished()
+        });
+        stop.set();
+        hog.join().unwrap();
+        assert_eq!(second.join().unwrap(), "ran");
+    });
+}
