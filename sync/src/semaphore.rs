@@ -293,15 +293,28 @@ impl Default for Semaphore {
 
 impl fmt::Debug for Semaphore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = self.synced.lock();
-        f.debug_struct("Semaphore").field("tokens", &s.tokens).field("waiters", &s.waiters.len()).finish()
+        // One look under the lock, then format without it: the formatter's
+        // writer is the caller's code, which may use this semaphore.
+        let (tokens, waiters) = {
+            let s = self.synced.lock();
+            (s.tokens, s.waiters.len())
+        };
+        f.debug_struct("Semaphore").field("tokens", &tokens).field("waiters", &waiters).finish()
     }
 }
 
 impl Drop for Semaphore {
     fn drop(&mut self) {
         // A waiter borrows the semaphore for as long as it waits, so none
-        // can be left here.
-        debug_assert!(self.synced.get_mut().waiters.is_empty());
+        // is left here, except a fiber suspended inside the `with` of a
+        // thread-local semaphore that its thread's exit drops (DESIGN.md,
+        // "Known gaps"): it is never woken, and said so.
+        let waiters = self.synced.get_mut().waiters.len();
+        if waiters > 0 {
+            warn!(
+                "spindle-sync: a semaphore was dropped with {waiters} waiter(s) (a thread-local \
+                 semaphore whose thread exited while a fiber slept in it); they are never woken"
+            );
+        }
     }
 }

@@ -471,3 +471,63 @@ fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
         }
     });
 }
+
+/// `Debug` reads the counts under the lock and formats after it: the
+/// formatter's writer is the caller's code, and one that uses the channel
+/// (a logger reporting through it) would wait on the lock for good. (From
+/// a review: it hung every time.)
+#[test]
+fn debug_into_a_writer_that_uses_the_channel_does_not_deadlock() {
+    use std::fmt::Write as _;
+    struct Sink<'a> {
+        chan: &'a Channel<u32>,
+        raw: &'a RawChannel,
+        out: String,
+    }
+    impl std::fmt::Write for Sink<'_> {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let _ = (self.chan.len(), self.raw.len()); // the writer uses both
+            self.out.push_str(s);
+            Ok(())
+        }
+    }
+    watchdog("debug_into_a_writer_that_uses_the_channel_does_not_deadlock", 10, |_stage| {
+        let chan = Channel::<u32>::new();
+        chan.push(Msg::new(1));
+        let raw = RawChannel::new();
+        let mut sink = Sink { chan: &chan, raw: &raw, out: String::new() };
+        write!(sink, "{chan:?} {raw:?}").unwrap();
+        assert!(sink.out.contains("messages: 1"), "{}", sink.out);
+        assert!(sink.out.contains("RawChannel"), "{}", sink.out);
+    });
+}
+
+thread_local! {
+    static THREAD_CHANNEL: Channel<u32> = const { Channel::new() };
+}
+
+/// A fiber that sleeps in `pop` inside the `with` of a thread-local
+/// channel gets out of the borrow by suspending, so the thread's exit can
+/// drop the channel under it: the drop warns and leaves the fiber asleep
+/// for good (DESIGN.md, "Known gaps"), where a `debug_assert` aborted the
+/// process in a thread-local destructor. (From a review.)
+#[test]
+fn a_thread_local_channel_dropped_under_a_sleeping_fiber_does_not_abort() {
+    watchdog("a_thread_local_channel_dropped_under_a_sleeping_fiber_does_not_abort", 30, |_stage| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let owner = std::thread::spawn(move || {
+            let f = Fiber::new(Default::default()).unwrap();
+            f.set_function(Priority::NORMAL, || THREAD_CHANNEL.with(|c| c.pop().into_inner())).unwrap();
+            assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+            assert_eq!(THREAD_CHANNEL.with(|c| c.receivers()), 1);
+            tx.send(f).unwrap();
+            // The thread exits: THREAD_CHANNEL is dropped with the fiber in it.
+        });
+        let f: Fiber<u32> = rx.recv().unwrap();
+        assert!(owner.join().is_ok(), "the thread's exit did not panic");
+        assert_eq!(f.state(), FiberState::Sleeping, "asleep for good");
+        // Pinned to a thread that is gone: dropping it here leaks its stack
+        // (counted) instead of unwinding its wait into the freed channel.
+        drop(f);
+    });
+}

@@ -526,3 +526,24 @@ fn a_release_whose_wake_panics_loses_no_token() {
         assert_eq!(sem.available(), 1, "the token handed to the dropped fiber is given back");
     });
 }
+
+/// `Debug` formats after the lock, as the channel's does: a writer that
+/// uses the semaphore does not wait on the lock for good. (From a review.)
+#[test]
+fn debug_into_a_writer_that_uses_the_semaphore_does_not_deadlock() {
+    use std::fmt::Write as _;
+    struct Sink<'a>(&'a Semaphore, String);
+    impl std::fmt::Write for Sink<'_> {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let _ = self.0.available();
+            self.1.push_str(s);
+            Ok(())
+        }
+    }
+    watchdog("debug_into_a_writer_that_uses_the_semaphore_does_not_deadlock", 10, |_stage| {
+        let sem = Semaphore::new(2);
+        let mut sink = Sink(&sem, String::new());
+        write!(sink, "{sem:?}").unwrap();
+        assert!(sink.1.contains("tokens: 2"), "{}", sink.1);
+    });
+}
