@@ -183,8 +183,9 @@ impl Synced {
 /// receiver fiber goes back to its run queue, which may grow a buffer the
 /// first time a priority level is used). As with
 /// [`Semaphore::release`](crate::Semaphore), a woken receiver fiber with no
-/// other reference and no run queue is dropped inside `push`, and its
-/// destructors run there. `pop` waits (a fiber sleeps, a thread parks)
+/// other reference and no run queue is dropped inside `push`: unwound there
+/// (its destructors run) on its own thread or if it may migrate, else its
+/// stack leaks, with the message it was handed. `pop` waits (a fiber sleeps, a thread parks)
 /// until a message arrives. A message pushed while receivers
 /// wait is handed straight to the one that waited longest; if that
 /// receiver's run queue or executor refuses its wake or abandons it (gone
