@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{wait_for, watchdog, Flag};
+use common::{wait_for, watchdog, Flag, Stage};
 use spindle_executor::{yield_if_needed, Executor};
 
 // The hogs spin until the test stops them, which it does only once the
@@ -60,34 +60,43 @@ fn two_non_yielding_hogs_do_not_starve_a_third_fiber() {
 #[test]
 fn cooperative_preemption_on_a_single_worker() {
     watchdog("cooperative_preemption_on_a_single_worker", 30, |stage| {
-        // No room to scale: only yield_if_needed can let the second fiber in.
-        let exec = Executor::builder().workers(1).max_workers(1).time_slice(Duration::from_millis(5)).build();
-        let stop = Flag::new();
-        let hogging = Flag::new();
-        stage.set("starting a hog that only calls yield_if_needed");
-        let hog = {
-            let (stop, hogging) = (stop.clone(), hogging.clone());
-            exec.spawn(move || {
-                hogging.set();
-                let start = Instant::now();
-                while !stop.is_set() && start.elapsed() < RUNAWAY {
-                    yield_if_needed();
-                }
-            })
-        };
-        wait_for(&stage, "the hog to hold the only worker", || hogging.is_set());
-
-        let second = exec.spawn(|| "ran");
-        // The hog is still in its loop (it stops only after this): the
-        // second fiber can only run because the hog's slice ran out.
-        wait_for(&stage, "the second fiber to complete behind the hog on the only worker", || {
-            second.is_finished()
+        preempted_behind_a_hog(&stage, "a hog that only calls yield_if_needed", |stop| {
+            let start = Instant::now();
+            while !stop.is_set() && start.elapsed() < RUNAWAY {
+                yield_if_needed();
+            }
         });
-        stop.set();
-        hog.join().unwrap();
-        assert_eq!(second.join().unwrap(), "ran");
-        assert_eq!(exec.stats().peak_workers, 1, "no scaling was involved");
     });
+}
+
+/// On a pool with no room to scale (so only `yield_if_needed` can let a
+/// second fiber in), starts a fiber running `hog` (which loops until the
+/// flag it is given is set) and checks that a second fiber completes
+/// behind it while it still loops.
+fn preempted_behind_a_hog(stage: &Stage, what: &str, hog: impl FnOnce(Flag) + Send + 'static) {
+    let exec = Executor::builder().workers(1).max_workers(1).time_slice(Duration::from_millis(5)).build();
+    let stop = Flag::new();
+    let hogging = Flag::new();
+    stage.set(format!("starting {what}"));
+    let hog = {
+        let (stop, hogging) = (stop.clone(), hogging.clone());
+        exec.spawn(move || {
+            hogging.set();
+            hog(stop);
+        })
+    };
+    wait_for(stage, "the hog to hold the only worker", || hogging.is_set());
+
+    let second = exec.spawn(|| "ran");
+    // The hog is still in its loop (it stops only after this): the
+    // second fiber can only run because the hog's slice ran out.
+    wait_for(stage, "the second fiber to complete behind the hog on the only worker", || {
+        second.is_finished()
+    });
+    stop.set();
+    hog.join().unwrap();
+    assert_eq!(second.join().unwrap(), "ran");
+    assert_eq!(exec.stats().peak_workers, 1, "no scaling was involved");
 }
 
 #[test]
@@ -172,40 +181,23 @@ fn a_fiber_that_keeps_spawning_does_not_starve_jobs_from_outside() {
 fn cooperative_preemption_through_a_nested_fiber() {
     use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
     watchdog("cooperative_preemption_through_a_nested_fiber", 10, |stage| {
-        let exec = Executor::builder().workers(1).max_workers(1).time_slice(Duration::from_millis(5)).build();
-        let stop = Flag::new();
-        let hogging = Flag::new();
-        stage.set("starting a hog whose loop runs in a fiber it drives");
-        let hog = {
-            let (stop, hogging) = (stop.clone(), hogging.clone());
-            exec.spawn(move || {
-                hogging.set();
-                let start = Instant::now();
-                let inner: Fiber<()> = Fiber::new(FiberAttr::new()).unwrap();
-                inner
-                    .set_function(Priority::NORMAL, move || {
-                        while !stop.is_set() && start.elapsed() < RUNAWAY {
-                            yield_if_needed();
-                        }
-                    })
-                    .unwrap();
-                loop {
-                    match inner.run().unwrap() {
-                        RunOutcome::Yielded(_) => yield_if_needed(),
-                        RunOutcome::Returned(()) => break,
-                        other => panic!("the nested fiber gave {other:?}"),
+        preempted_behind_a_hog(&stage, "a hog whose loop runs in a fiber it drives", |stop| {
+            let start = Instant::now();
+            let inner: Fiber<()> = Fiber::new(FiberAttr::new()).unwrap();
+            inner
+                .set_function(Priority::NORMAL, move || {
+                    while !stop.is_set() && start.elapsed() < RUNAWAY {
+                        yield_if_needed();
                     }
+                })
+                .unwrap();
+            loop {
+                match inner.run().unwrap() {
+                    RunOutcome::Yielded(_) => yield_if_needed(),
+                    RunOutcome::Returned(()) => break,
+                    other => panic!("the nested fiber gave {other:?}"),
                 }
-            })
-        };
-        wait_for(&stage, "the hog to hold the only worker", || hogging.is_set());
-
-        let second = exec.spawn(|| "ran");
-        wait_for(&stage, "the second fiber to complete behind the hog on the only worker", || {
-            second.is_finished()
+            }
         });
-        stop.set();
-        hog.join().unwrap();
-        assert_eq!(second.join().unwrap(), "ran");
     });
 }
