@@ -1725,6 +1725,10 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
         // apart only if this thread is not panicking now (see the flag).
         let yielder = inner.header.yielder.swap(std::ptr::null_mut(), Ordering::Relaxed);
         inner.header.drop_yielder.store(yielder, Ordering::Relaxed);
+        // The unwind runs destructors on the fiber's stack, maybe on a thread
+        // that never ran a fiber (a migratable one dropped anywhere): give it
+        // an alternate signal stack, or an overflow there goes unreported.
+        crate::overflow::ensure_altstack();
         let prev = enter(&inner.header);
         let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
         // SAFETY: the same thread as `enter`.

@@ -62,8 +62,16 @@ pub(crate) fn install() {
 /// and unmapped when the thread exits (a thread-local destructor), if it is
 /// still the thread's alternate stack then.
 struct OwnAltStack {
+    /// The whole mapping: a guard page, then the stack.
     mem: *mut libc::c_void,
     size: usize,
+}
+
+/// The page size, for the alternate stack's guard page.
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).unwrap_or(4096).max(4096)
 }
 
 impl Drop for OwnAltStack {
@@ -73,7 +81,8 @@ impl Drop for OwnAltStack {
         // do not run on the alternate stack.
         unsafe {
             let mut cur: libc::stack_t = std::mem::zeroed();
-            if libc::sigaltstack(ptr::null(), &mut cur) != 0 || cur.ss_sp != self.mem {
+            let stack = self.mem.cast::<u8>().add(page_size()).cast::<libc::c_void>();
+            if libc::sigaltstack(ptr::null(), &mut cur) != 0 || cur.ss_sp != stack {
                 // Replaced by someone else: it may still be in use; keep it.
                 return;
             }
@@ -106,10 +115,14 @@ pub(crate) fn ensure_altstack() {
         if libc::sigaltstack(ptr::null(), &mut old) != 0 || old.ss_flags & libc::SS_DISABLE == 0 {
             return;
         }
+        // A guard page below it, as std puts under its own: a handler that
+        // runs past the stack faults instead of writing over whatever was
+        // mapped next (often a fiber's stack; found in review).
+        let page = page_size();
         let size = libc::SIGSTKSZ.max(64 * 1024);
         let mem = libc::mmap(
             ptr::null_mut(),
-            size,
+            size + page,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
@@ -118,18 +131,27 @@ pub(crate) fn ensure_altstack() {
         if mem == libc::MAP_FAILED {
             return;
         }
+        if libc::mprotect(mem, page, libc::PROT_NONE) != 0 {
+            libc::munmap(mem, size + page);
+            return;
+        }
         let st = libc::stack_t {
-            ss_sp: mem,
+            ss_sp: mem.cast::<u8>().add(page).cast::<libc::c_void>(),
             ss_flags: 0,
             ss_size: size,
         };
         if libc::sigaltstack(&st, ptr::null_mut()) != 0 {
-            libc::munmap(mem, size);
+            libc::munmap(mem, size + page);
             return;
         }
         // Registered for unmapping at thread exit; a thread already tearing
         // down its thread-locals keeps it (leaked with the thread).
-        let _ = OWN_ALTSTACK.try_with(|slot| slot.set(Some(OwnAltStack { mem, size })));
+        let _ = OWN_ALTSTACK.try_with(|slot| {
+            slot.set(Some(OwnAltStack {
+                mem,
+                size: size + page,
+            }))
+        });
     }
 }
 
@@ -210,7 +232,11 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     unsafe {
         let prev = &*(ptr::addr_of!(PREVIOUS[i]) as *const libc::sigaction);
         let action = prev.sa_sigaction;
-        if action == libc::SIG_DFL || action == libc::SIG_IGN {
+        let sent = (*info).si_code <= 0;
+        if action == libc::SIG_IGN && sent {
+            // Ignored, as asked. This handler stays: putting the previous
+            // action back would leave every later overflow unreported.
+        } else if action == libc::SIG_DFL || action == libc::SIG_IGN {
             // Put the previous action back and return: the faulting
             // instruction runs again and that action takes place (the
             // kernel kills the process for a real fault even if it was
@@ -218,16 +244,41 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
             // faulting instruction to run again) is raised once more, or it
             // would be lost.
             libc::sigaction(sig, prev, ptr::null_mut());
-            if (*info).si_code <= 0 {
+            if sent {
                 libc::raise(sig);
             }
-        } else if prev.sa_flags & libc::SA_SIGINFO != 0 {
-            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-                std::mem::transmute(action);
-            f(sig, info, ctx);
         } else {
-            let f: extern "C" fn(libc::c_int) = std::mem::transmute(action);
-            f(sig);
+            // Call it as the kernel would have: a one-shot handler
+            // (`SA_RESETHAND`, what C's `signal` often gives) is reset
+            // first, or a handler that returns to let the default action
+            // take place would be called again for ever (found in review);
+            // and with the signals it asked to block.
+            if prev.sa_flags & libc::SA_RESETHAND != 0 {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(sig, &dfl, ptr::null_mut());
+            }
+            let mut mask = prev.sa_mask;
+            if prev.sa_flags & libc::SA_NODEFER == 0 {
+                libc::sigaddset(&mut mask, sig);
+            }
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_BLOCK, &mask, &mut old);
+            if prev.sa_flags & libc::SA_NODEFER != 0 {
+                let mut only: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut only);
+                libc::sigaddset(&mut only, sig);
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &only, ptr::null_mut());
+            }
+            if prev.sa_flags & libc::SA_SIGINFO != 0 {
+                let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                    std::mem::transmute(action);
+                f(sig, info, ctx);
+            } else {
+                let f: extern "C" fn(libc::c_int) = std::mem::transmute(action);
+                f(sig);
+            }
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, ptr::null_mut());
         }
     }
 }

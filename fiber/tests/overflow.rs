@@ -370,3 +370,166 @@ fn an_overflow_in_the_last_frames_before_a_switch_is_reported() {
     // And the large ones leave it enough: the edge lies inside the range.
     assert!(completed > 0, "no offset let the suspension complete");
 }
+
+static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A one-shot handler (`SA_RESETHAND`) that logs and returns, to let the
+/// default action kill the process when the fault happens again: it gives
+/// up (exit 77) if it is called over and over instead.
+extern "C" fn log_and_return(_sig: libc::c_int) {
+    if CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 100 {
+        // SAFETY: ending the process from a signal handler.
+        unsafe { libc::_exit(77) };
+    }
+}
+
+const RESETHAND_CHILD: &str = "a_one_shot_handler_installed_before_the_library_is_called_once";
+
+/// A one-shot SIGSEGV handler installed before the library is called the
+/// way the kernel calls it: reset first, so that the fault's repetition
+/// takes the default action. (From a review: the library's handler called
+/// it again and again, and the process looped for good.)
+#[test]
+fn a_one_shot_handler_installed_before_the_library_is_called_once() {
+    if is_child(RESETHAND_CHILD) {
+        no_core_dumps();
+        // SAFETY: installing a plain handler with valid arguments.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = log_and_return as extern "C" fn(libc::c_int) as usize;
+            action.sa_flags = libc::SA_RESETHAND | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(libc::SIGSEGV, &action, std::ptr::null_mut());
+        }
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        // SAFETY: a deliberate fault (an unmapped address).
+        let v = unsafe { std::ptr::read_volatile(black_box(16usize) as *const u64) };
+        eprintln!("unexpectedly read {v}");
+        return;
+    }
+    let out = run_child(RESETHAND_CHILD, 60);
+    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{}", describe(&out));
+}
+
+const IGNORED_CHILD: &str = "an_ignored_sigsegv_sent_by_a_process_leaves_overflow_reports_on";
+
+/// With SIGSEGV ignored before the library came, a SIGSEGV another process
+/// sends is ignored, as asked, and a later fiber overflow is still
+/// reported. (From a review: the library put the ignoring action back for
+/// good, and the overflow died with a bare SIGSEGV.)
+#[test]
+fn an_ignored_sigsegv_sent_by_a_process_leaves_overflow_reports_on() {
+    if is_child(IGNORED_CHILD) {
+        no_core_dumps();
+        // SAFETY: setting a signal's action to "ignore".
+        unsafe { libc::signal(libc::SIGSEGV, libc::SIG_IGN) };
+        let fiber = overflowing_fiber("after-the-kill");
+        // SAFETY: sending this process a signal.
+        unsafe { libc::raise(libc::SIGSEGV) };
+        let outcome = fiber.run();
+        eprintln!("unexpectedly returned: {outcome:?}");
+        return;
+    }
+    let out = run_child(IGNORED_CHILD, 60);
+    assert_fiber_report(&out, "after-the-kill");
+}
+
+const DROPPED_CHILD: &str = "an_overflow_while_a_dropped_fiber_unwinds_on_a_foreign_thread_is_reported";
+
+/// A migratable fiber dropped on a thread that never ran a fiber (one the C
+/// library started: no alternate signal stack) is unwound there, on its
+/// own stack; an overflow in a destructor then is reported too. (From a
+/// review: only running a fiber gave a thread its alternate stack.)
+#[test]
+fn an_overflow_while_a_dropped_fiber_unwinds_on_a_foreign_thread_is_reported() {
+    struct DeepDrop;
+    impl Drop for DeepDrop {
+        fn drop(&mut self) {
+            black_box(recurse(0));
+        }
+    }
+    if is_child(DROPPED_CHILD) {
+        no_core_dumps();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("dropped-diver").stack_size(64 * 1024)).unwrap();
+        eprintln!("child fiber: {} {}", fiber.id(), fiber.stack_size());
+        // SAFETY: the function holds nothing thread-affine across its yield.
+        unsafe {
+            fiber
+                .set_function_migratable(Priority::NORMAL, || {
+                    let _d = DeepDrop;
+                    spindle_fiber::yield_now();
+                })
+                .unwrap()
+        };
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(_)));
+        extern "C" fn start(p: *mut libc::c_void) -> *mut libc::c_void {
+            // SAFETY: the box made below, handed over to this thread.
+            drop(unsafe { Box::from_raw(p.cast::<Fiber<()>>()) });
+            eprintln!("unexpectedly returned: the drop did not overflow");
+            std::ptr::null_mut()
+        }
+        let boxed = Box::into_raw(Box::new(fiber));
+        // SAFETY: plain pthread calls with valid arguments; joined below.
+        unsafe {
+            let mut thread: libc::pthread_t = std::mem::zeroed();
+            assert_eq!(
+                libc::pthread_create(&mut thread, std::ptr::null(), start, boxed.cast()),
+                0
+            );
+            libc::pthread_join(thread, std::ptr::null_mut());
+        }
+        return;
+    }
+    let out = run_child(DROPPED_CHILD, 60);
+    assert_fiber_report(&out, "dropped-diver");
+}
+
+/// The alternate signal stack the library maps for a thread that had none
+/// has a guard page below it, as std's have: a handler that runs past it
+/// faults instead of writing over what was mapped next (often a fiber's
+/// stack; found in review).
+#[test]
+fn the_alternate_stack_given_to_a_foreign_thread_has_a_guard_page() {
+    extern "C" fn start(_: *mut libc::c_void) -> *mut libc::c_void {
+        let fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber.set_function(Priority::NORMAL, || 1).unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+        // SAFETY: querying this thread's alternate stack.
+        let mut st: libc::stack_t = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::sigaltstack(std::ptr::null(), &mut st) }, 0);
+        assert_eq!(
+            st.ss_flags & libc::SS_DISABLE,
+            0,
+            "the library gave this thread one"
+        );
+        let below = st.ss_sp as usize - 1;
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let perms = maps
+            .lines()
+            .find_map(|l| {
+                let (range, rest) = l.split_once(' ')?;
+                let (lo, hi) = range.split_once('-')?;
+                let (lo, hi) = (
+                    usize::from_str_radix(lo, 16).ok()?,
+                    usize::from_str_radix(hi, 16).ok()?,
+                );
+                (lo..hi)
+                    .contains(&below)
+                    .then(|| rest.split_whitespace().next().unwrap().to_owned())
+            })
+            .expect("the page below the alternate stack is mapped");
+        assert_eq!(perms, "---p", "a guard page below the alternate stack");
+        std::ptr::null_mut()
+    }
+    // SAFETY: plain pthread calls with valid arguments; joined below.
+    unsafe {
+        let mut thread: libc::pthread_t = std::mem::zeroed();
+        assert_eq!(
+            libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut()),
+            0
+        );
+        assert_eq!(libc::pthread_join(thread, std::ptr::null_mut()), 0);
+    }
+}
