@@ -134,8 +134,9 @@ impl fmt::Display for StackError {
                     ),
                     Some(limit) => write!(
                         f,
-                        "{map_count}, or use smaller stacks. (The address space is also limited, \
-                         to {limit} bytes: ulimit -v, RLIMIT_AS.)"
+                        "{map_count}. (The address space is also limited, to {limit} bytes: \
+                         ulimit -v, RLIMIT_AS; smaller stacks help with that limit, not with the \
+                         mapping count.)"
                     ),
                     None if (*mapped as usize) < MAP_COUNT_NEAR => write!(
                         f,
@@ -145,8 +146,8 @@ impl fmt::Display for StackError {
                     ),
                     None => write!(
                         f,
-                        "{map_count}, or use smaller stacks; or the system is out of memory \
-                         (check the memory a container or cgroup may use)"
+                        "{map_count}. Or the system is out of memory (check the memory a \
+                         container or cgroup may use): then smaller stacks help too."
                     ),
                 }
             }
@@ -343,6 +344,9 @@ mod tests {
             msg.find("vm.max_map_count").unwrap(),
         );
         assert!(map_count < rlimit, "the mappings limit first: {msg}");
+        // Smaller stacks do not lower the number of mappings (from review:
+        // the advice read as if they did).
+        assert!(msg.contains("not with the mapping count"), "{msg}");
         let unlimited = StackError::OutOfMemory {
             bytes: 8192,
             mapped: 10,
