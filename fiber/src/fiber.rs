@@ -1460,6 +1460,28 @@ impl<T> Fiber<T> {
         }
     }
 
+    /// Whether the function is pinned to the calling thread (it has run
+    /// here and is not migratable): no other thread may run it. A
+    /// scheduler that queues it need not wake another thread for it.
+    ///
+    /// ```
+    /// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority};
+    ///
+    /// let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || yield_now()).unwrap();
+    /// assert!(!fiber.is_pinned_here()); // not run yet: any thread may
+    /// fiber.run().unwrap();
+    /// assert!(fiber.is_pinned_here());
+    /// let f = fiber.clone();
+    /// assert!(!std::thread::spawn(move || f.is_pinned_here()).join().unwrap());
+    /// ```
+    pub fn is_pinned_here(&self) -> bool {
+        match self.header().pinned_to.load(Ordering::Relaxed) {
+            0 => false,
+            t => t == crate::tls::thread_id_word(),
+        }
+    }
+
     /// The fiber's process-unique id.
     pub fn id(&self) -> FiberId {
         self.header().id

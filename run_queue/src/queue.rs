@@ -209,8 +209,9 @@ pub struct RunQueueStats {
     pub wakes: u64,
     /// Times a popper parked its thread.
     pub parks: u64,
-    /// Fibers pinned to another thread that a pop (or
-    /// [`RunQueue::run_popped`]) set aside for their own thread.
+    /// Times a fiber pinned to another thread met a pop that set it aside
+    /// for its own thread, or [`RunQueue::run_popped`] on the wrong thread
+    /// (which sends it back into the queue).
     pub wrong_thread: u64,
 }
 
@@ -487,8 +488,9 @@ impl<T: Send + 'static> RunQueue<T> {
     /// back if it yielded (see [`run_next`](RunQueue::run_next)). Pops
     /// only hand out fibers the popping thread may run; a fiber pinned to
     /// another thread that reaches this anyway (popped on one thread, run
-    /// on another) is not run: it goes back into the queue, set aside for
-    /// its own thread, and the outcome is [`FiberError::WrongThread`].
+    /// on another) is not run: it goes back into the queue, at the back of
+    /// its level (its own thread takes it from there; another thread's pop
+    /// sets it aside), and the outcome is [`FiberError::WrongThread`].
     ///
     /// [`FiberError::WrongThread`]: spindle_fiber::FiberError::WrongThread
     #[inline]
@@ -514,8 +516,11 @@ impl<T: Send + 'static> RunQueue<T> {
             synced.stats.wrong_thread += 1;
             // It enters the queue again (its pop was counted).
             synced.stats.pushes += 1;
-            // Pushed again: at the priority it has now.
-            synced.elsewhere.push((fiber.clone(), fiber.priority()));
+            // Pushed again, at the back of its level: set aside, it would
+            // count as older than the fibers queued there meanwhile (found
+            // in review). Its own thread takes it from the levels; another
+            // thread's pop sets it aside once it reaches the front.
+            synced.heap.push(fiber.clone(), fiber.priority());
             self.shared.len_hint.store(synced.len(), Ordering::Relaxed);
             drop(synced);
             self.shared.not_empty.notify_all();
@@ -593,12 +598,16 @@ impl<T> Shared<T> {
     /// popper if there is one (pusher steps 1 and 2).
     fn insert(&self, mut synced: MutexGuard<'_, Synced<T>>, fiber: Fiber<T>) {
         let level = fiber.priority();
+        // A fiber pinned to this thread: no parked popper may run it, and
+        // this thread is not parked; waking one only makes it set the
+        // fiber aside and wake every other parked popper.
+        let pinned_here = fiber.is_pinned_here();
         synced.heap.push(fiber, level);
         synced.stats.pushes += 1;
         self.len_hint.store(synced.len(), Ordering::Relaxed);
         let sleepers = synced.sleepers;
         drop(synced);
-        if sleepers > 0 {
+        if sleepers > 0 && !pinned_here {
             self.not_empty.notify_one();
         }
     }

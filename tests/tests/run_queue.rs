@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{fiber, spin_until, watchdog, DropCounter, XorShift};
+use common::{fiber, named_fiber, spin_until, watchdog, DropCounter, XorShift};
 use spindle_fiber::{yield_now, Fiber, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::{PushError, RunQueue};
 use spindle_sync::Semaphore;
@@ -1035,4 +1035,86 @@ fn a_set_aside_fiber_keeps_its_place_when_its_priority_changes() {
         first
     });
     assert_eq!(first, "x", "x was queued at NORMAL and y at 1");
+}
+
+/// A worker's own pinned fiber that yields wakes none of the idle workers
+/// parked on the queue: none of them may run it. (From a review: each
+/// yield woke one, which set the fiber aside and so woke all of them; 2,000
+/// yields woke the idle workers about 1,500 times.)
+#[test]
+fn yields_of_a_fiber_pinned_to_its_worker_wake_no_idle_worker() {
+    const IDLE: usize = 4;
+    const YIELDS: usize = 2000;
+    watchdog("yields_of_a_fiber_pinned_to_its_worker_wake_no_idle_worker", 60, |stage| {
+        let queue = RunQueue::<()>::new(64);
+        let idle: Vec<_> = (0..IDLE)
+            .map(|_| {
+                let q = queue.clone();
+                thread::spawn(move || loop {
+                    let f = q.pop_timeout(Duration::from_secs(3600)).expect("no timeout");
+                    let stop = f.name() == Some("stop");
+                    let _ = q.run_popped(f);
+                    if stop {
+                        return;
+                    }
+                })
+            })
+            .collect();
+        stage.set("waiting for the idle workers to park");
+        spin_until(|| queue.stats().parks >= IDLE as u64);
+        let before = queue.stats();
+        let busy = named_fiber("busy", Priority::NORMAL, || {
+            for _ in 0..YIELDS {
+                yield_now();
+            }
+        });
+        // Its first run here pins it to this thread.
+        assert!(matches!(busy.run(), Ok(RunOutcome::Yielded(0))));
+        queue.try_push(busy).unwrap();
+        stage.set("running the pinned fiber on its own thread");
+        loop {
+            let f = queue.pop_timeout(Duration::from_secs(10)).expect("the pinned fiber is in the queue");
+            if matches!(queue.run_popped(f).outcome, Ok(RunOutcome::Returned(()))) {
+                break;
+            }
+        }
+        let after = queue.stats();
+        stage.set("stopping the idle workers");
+        for _ in 0..IDLE {
+            queue.try_push(named_fiber("stop", Priority::LOWEST, || ())).unwrap();
+        }
+        for t in idle {
+            t.join().unwrap();
+        }
+        // None is woken for the fiber; a little slack for a wake-up that
+        // has nothing to do with it (the workers park for an hour).
+        let (woken, set_aside) = (after.parks - before.parks, after.wrong_thread - before.wrong_thread);
+        assert!(woken < (YIELDS / 100) as u64, "idle workers were woken {woken} times: {after:?}");
+        assert!(set_aside < (YIELDS / 100) as u64, "the fiber was set aside {set_aside} times: {after:?}");
+    });
+}
+
+/// A fiber that `run_popped` sends back (popped on its own thread, run on
+/// another) goes to the back of its level: fibers queued meanwhile at the
+/// same priority come first. (From a review: it was set aside at once, and
+/// set-aside fibers win ties as the oldest.)
+#[test]
+fn a_fiber_sent_back_by_run_popped_keeps_fifo_among_equals() {
+    watchdog("a_fiber_sent_back_by_run_popped_keeps_fifo_among_equals", 30, |_stage| {
+        let queue = RunQueue::<u32>::new(8);
+        let x = named_fiber("x", Priority::NORMAL, || {
+            yield_now();
+            1
+        });
+        assert!(matches!(x.run(), Ok(RunOutcome::Yielded(0)))); // pinned here
+        queue.try_push(x).unwrap();
+        let x = queue.try_pop().expect("x, popped on its own thread");
+        queue.try_push(named_fiber("y", Priority::NORMAL, || 2)).unwrap(); // y is in first
+        let q = queue.clone();
+        let outcome = thread::spawn(move || format!("{:?}", q.run_popped(x).outcome)).join().unwrap();
+        assert!(outcome.contains("WrongThread"), "{outcome}");
+        let first = queue.try_pop().unwrap();
+        assert_eq!(first.name(), Some("y"), "y was queued before x came back");
+        assert_eq!(queue.try_pop().unwrap().name(), Some("x"));
+    });
 }
