@@ -600,14 +600,14 @@ impl<T> Shared<T> {
         let level = fiber.priority();
         // A fiber pinned to this thread: no parked popper may run it, and
         // this thread is not parked; waking one only makes it set the
-        // fiber aside and wake every other parked popper.
-        let pinned_here = fiber.is_pinned_here();
+        // fiber aside and wake every other parked popper. (Looked at only
+        // when someone is parked: the common push pays nothing for it.)
+        let wake = synced.sleepers > 0 && !fiber.is_pinned_here();
         synced.heap.push(fiber, level);
         synced.stats.pushes += 1;
         self.len_hint.store(synced.len(), Ordering::Relaxed);
-        let sleepers = synced.sleepers;
         drop(synced);
-        if sleepers > 0 && !pinned_here {
+        if wake {
             self.not_empty.notify_one();
         }
     }
