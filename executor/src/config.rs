@@ -157,8 +157,9 @@ impl Builder {
         self
     }
 
-    /// How often sysmon looks at the workers (default 250 µs). It is the
-    /// shortest time sysmon sleeps, so nothing it watches is acted on
+    /// How often sysmon looks at the workers (default 250 µs). Sysmon never
+    /// naps for less than this between its regular looks (a timer deadline
+    /// or a wake can end a nap sooner), so nothing it watches is acted on
     /// faster: a deadlock is confirmed after the larger of this and
     /// [`deadlock_grace`](Builder::deadlock_grace), and a time slice
     /// shorter than two intervals is flagged up to an interval late. (Raise

@@ -377,6 +377,8 @@ impl Handle {
     /// A snapshot of the counters. Each is read on its own, except the four
     /// that scaling changes (`workers`, `peak_workers`, `scale_ups`,
     /// `scale_downs`), which are read together and agree with each other.
+    /// (After shutdown `workers` is 0 and no longer follows from the
+    /// scaling counters.)
     pub fn stats(&self) -> ExecutorStats {
         let c = &self.shared.stats;
         let sum = |f: fn(&crate::shared::WorkerCounters) -> &std::sync::atomic::AtomicU64| -> u64 {
@@ -591,8 +593,10 @@ pub struct ExecutorStats {
     pub completed: u64,
     /// Of those, cancelled.
     pub cancelled: u64,
-    /// Jobs taken from another worker's queue (a steal takes up to half
-    /// of it at once; each job counts).
+    /// Jobs taken from another worker's queue (a steal takes up to half of
+    /// it, at most a bounded batch, at once; each job counts, estimated from
+    /// the thief's queue length, so steals from the thief meanwhile can make
+    /// this a little low).
     pub steals: u64,
     /// Woken fibers handed to their worker's inbox.
     pub inbox_handoffs: u64,

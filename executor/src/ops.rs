@@ -65,7 +65,8 @@ pub(crate) fn check_cancel() {
     }
 }
 
-/// Spawns a fiber on the executor of the calling fiber.
+/// Spawns a fiber on the executor whose worker thread runs the caller (see
+/// [`Handle::current`]).
 ///
 /// # Panics
 /// Off an executor's worker threads (it works in the executor's fibers, and
@@ -83,7 +84,7 @@ where
 {
     Handle::current()
         .expect(
-            "spindle_executor::spawn called outside an executor's fiber: spawn with Executor::spawn, or \
+            "spindle_executor::spawn called off an executor's worker threads: spawn with Executor::spawn, or \
              through a Handle (Executor::handle)",
         )
         .spawn(f)
@@ -114,8 +115,9 @@ pub fn yield_now() {
 /// thread-local read and a relaxed swap otherwise: call it in long loops.
 ///
 /// In a fiber driven by hand inside an executor fiber, it yields that
-/// fiber to its driver and leaves the flag set, so that the executor
-/// fiber yields too at its own next check.
+/// fiber to its driver and leaves the flag set: the executor fiber yields
+/// at its own next check, and until then each check in the hand-driven
+/// fiber yields to its driver again.
 pub fn yield_if_needed() {
     if let Some(w) = current_worker() {
         let preempt = &w.me().hot.preempt;

@@ -175,7 +175,7 @@ fn free_functions_outside_an_executor() {
             .map(|s| s.to_string())
             .or_else(|| err.downcast_ref::<String>().cloned())
             .unwrap_or_default();
-        assert!(msg.contains("outside an executor"), "unexpected panic message: {msg}");
+        assert!(msg.contains("off an executor's worker threads"), "unexpected panic message: {msg}");
         // On a plain thread these are a thread yield and a thread sleep.
         yield_now();
         spindle_executor::yield_if_needed();

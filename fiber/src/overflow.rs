@@ -12,7 +12,9 @@
 //!
 //! and aborts, like Rust's own report for threads. Any other fault goes to
 //! the handler that was installed before (Rust's own, which reports thread
-//! stack overflows), or to the default action.
+//! stack overflows), called as the kernel would call it, or to the default
+//! action; a SIGSEGV or SIGBUS another process sends while it was ignored
+//! before stays ignored.
 //!
 //! Everything the handler does is async-signal-safe: a thread-local read,
 //! reads of immutable header fields, `write(2)` and `abort`.
@@ -249,7 +251,7 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
             }
         } else {
             // Call it as the kernel would have: a one-shot handler
-            // (`SA_RESETHAND`, what C's `signal` often gives) is reset
+            // (`SA_RESETHAND`, what `sysv_signal` gives) is reset
             // first, or a handler that returns to let the default action
             // take place would be called again for ever (found in review);
             // and with the signals it asked to block.

@@ -14,11 +14,14 @@
 //!
 //! Pusher:
 //! 1. lock; insert; read `sleepers`; unlock;
-//! 2. if `sleepers > 0`, notify one.
+//! 2. if `sleepers > 0` and the fiber is not pinned to this thread
+//!    (`Fiber::is_pinned_here`), notify one. (No parked popper may run a
+//!    fiber pinned to the pusher, and the pusher is not parked, so the
+//!    skipped notify loses no wakeup.)
 //!
 //! A push either happens before the popper's step 1 (the popper sees the
 //! fiber) or after its step 2 registered it (the pusher sees `sleepers > 0`
-//! and notifies). Both read and write `sleepers` under the lock, so there is
+//! and notifies, if the popper may run the fiber). Both read and write `sleepers` under the lock, so there is
 //! no third order.
 //!
 //! A pop hands out only fibers the popping thread may run; one pinned to

@@ -54,8 +54,9 @@ impl Synced {
 /// fiber goes back to its run queue, which may grow a buffer the first
 /// time a priority level is used). (One exception to "never waits":
 /// waking a fiber whose only reference was its wait node, with no run
-/// queue to go to, drops it there, which unwinds its stack: its
-/// destructors then run inside `release`, and block it if they wait.)
+/// queue to go to, drops it there: unwound on its own thread or if it may
+/// migrate (its destructors then run inside `release`, and block it if
+/// they wait), else its stack leaks with the token it was handed.)
 ///
 /// A fiber that cannot sleep, because its stack is being unwound after
 /// its last handle was dropped, waits like a thread in `acquire`: its
