@@ -231,9 +231,15 @@ impl Worker {
         // Not while outside jobs batched earlier are still in the local
         // deque: they are older, and go first.
         let outside_tick = self.tick % OUTSIDE_EVERY == 0;
+        // On the same rounds, other workers' queues before this worker's
+        // yielded fibers: a worker kept busy by a fiber that yields over and
+        // over would otherwise never steal, and a job queued behind a worker
+        // whose fiber blocks its thread would wait out the block (found in
+        // review: two seconds, with no worker to spare).
+        let steal_first = outside_tick && active;
         for class in 0..CLASSES {
             let outside_first = outside_tick && self.outside_in_local[class] == 0;
-            if !fresh_first {
+            if !fresh_first && !steal_first {
                 if let Some(t) = self.resumed[class].pop_front() {
                     return Some(Next::Resumed(t));
                 }
@@ -273,20 +279,30 @@ impl Worker {
                     return Some(Next::Fresh(j));
                 }
             }
+            if steal_first {
+                if let Some(j) = self.steal_from_others(class) {
+                    return Some(Next::Fresh(j));
+                }
+            }
             if let Some(t) = self.resumed[class].pop_front() {
                 return Some(Next::Resumed(t));
             }
-            if active {
-                self.rng ^= self.rng << 13;
-                self.rng ^= self.rng >> 7;
-                self.rng ^= self.rng << 17;
-                let ctx = &*self.ctx;
-                if let Some(j) = ctx.shared.steal(ctx.index, class, self.rng as usize, &ctx.locals[class]) {
+            if active && !steal_first {
+                if let Some(j) = self.steal_from_others(class) {
                     return Some(Next::Fresh(j));
                 }
             }
         }
         None
+    }
+
+    /// A job of `class` stolen from another worker, starting at a random one.
+    fn steal_from_others(&mut self, class: usize) -> Option<Job> {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let ctx = &*self.ctx;
+        ctx.shared.steal(ctx.index, class, self.rng as usize, &ctx.locals[class])
     }
 
     /// Moves woken fibers from the inbox into `resumed`.

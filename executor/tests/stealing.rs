@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{size, watchdog};
+use common::{size, watchdog, Flag};
 use spindle_executor::{spawn, yield_now, Executor};
 
 /// Loops that wait for stealing give up after this, long after the
@@ -128,4 +128,74 @@ fn fibers_spawned_from_one_fiber_spread_over_four_workers() {
         assert_eq!(seen.len(), 4, "every worker ran a fiber ({waves} waves): {seen:?}");
         assert!(seen.iter().all(|n| n.starts_with("spindle-worker-")), "{seen:?}");
     });
+}
+
+/// A worker kept busy by a fiber that yields over and over still steals
+/// now and then: a job queued on a worker whose fiber then blocks its
+/// thread runs on the other worker. Here the blocked fiber waits for that
+/// very job, so without the steal the two would wait for each other (with
+/// no worker to spare). (From a review: the job waited out the whole
+/// block.)
+#[test]
+fn a_worker_running_a_yielding_fiber_still_steals_a_job_behind_a_blocked_worker() {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::mpsc;
+    watchdog("a_worker_running_a_yielding_fiber_still_steals_a_job_behind_a_blocked_worker", 60, |stage| {
+        fn tid() -> u64 {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            std::thread::current().id().hash(&mut h);
+            h.finish() | 1
+        }
+        for attempt in 1..=50 {
+            stage.set(format!("attempt {attempt}: a blocker and a poller on the two workers"));
+            let exec = Executor::builder().workers(2).max_workers(2).build();
+            let (b_tid, p_tid) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+            let (same, done) = (Flag::new(), Flag::new());
+            let blocker = {
+                let (b_tid, p_tid, same, done) = (b_tid.clone(), p_tid.clone(), same.clone(), done.clone());
+                exec.spawn(move || {
+                    b_tid.store(tid(), Ordering::SeqCst);
+                    while p_tid.load(Ordering::SeqCst) == 0 {
+                        yield_now();
+                    }
+                    if p_tid.load(Ordering::SeqCst) == b_tid.load(Ordering::SeqCst) {
+                        same.set();
+                        return true;
+                    }
+                    let (tx, rx) = mpsc::channel();
+                    // Into this worker's own queue; then block the thread on it.
+                    let _job = spawn(move || tx.send(()).unwrap());
+                    let ran = rx.recv_timeout(Duration::from_secs(20)).is_ok();
+                    done.set();
+                    ran
+                })
+            };
+            wait_for_thread(|| b_tid.load(Ordering::SeqCst) != 0);
+            let poller = {
+                let (p_tid, same, done) = (p_tid.clone(), same.clone(), done.clone());
+                exec.spawn(move || {
+                    p_tid.store(tid(), Ordering::SeqCst);
+                    while !done.is_set() && !same.is_set() {
+                        yield_now();
+                    }
+                })
+            };
+            let ran = blocker.join().unwrap();
+            poller.join().unwrap();
+            if same.is_set() {
+                continue;
+            }
+            assert!(ran, "the job queued behind the blocked worker never ran: {:?}", exec.stats());
+            return;
+        }
+        panic!("could not get the blocker and the poller onto different workers in 50 attempts");
+    });
+}
+
+/// Spins (yielding the thread) until `cond` holds; the watchdog bounds it.
+fn wait_for_thread(cond: impl Fn() -> bool) {
+    while !cond() {
+        std::thread::yield_now();
+    }
 }
