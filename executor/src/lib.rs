@@ -18,9 +18,9 @@
 //! ```
 //!
 //! * Workers: base = available cores (or `SPINDLE_WORKERS`, or the
-//!   builder), growing by 50% up to twice the cores when sysmon sees a
-//!   worker stuck while jobs another worker could take are queued; extra
-//!   workers retire when idle.
+//!   builder), growing up to twice the cores when sysmon sees workers
+//!   stuck while jobs another worker could take are queued (one more
+//!   worker for each stuck one); extra workers retire when idle.
 //! * Queues: per worker a stealable queue of fresh (not yet started) jobs
 //!   and an inbox for woken fibers; one global queue. Spawns from outside
 //!   the executor go round-robin across workers, a spawn from one of its

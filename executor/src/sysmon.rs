@@ -68,6 +68,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
         shared.timers.fire_due(now);
 
         let mut stuck = false;
+        // Stuck workers that are active: each keeps one of the pool's base
+        // workers from taking work, and one more worker makes up for it.
+        let mut stuck_active = 0usize;
         let mut all_parked = true;
         let mut beats = 0u64;
         for (w, seen) in shared.started_workers().iter().zip(watch.iter_mut()) {
@@ -93,6 +96,9 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             // the OS between fibers is not.
             if stalled >= shared.config.stuck_threshold && w.hot.running_fiber.load(Ordering::Relaxed) != 0 {
                 stuck = true;
+                if w.active.load(Ordering::Relaxed) {
+                    stuck_active += 1;
+                }
             }
         }
 
@@ -118,7 +124,7 @@ pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {
             && now - last_scale >= shared.config.stuck_threshold
             && shared.stealable_work()
         {
-            added = scale_up(&shared);
+            added = scale_up(&shared, stuck_active);
             last_scale = now;
         }
 
@@ -197,18 +203,25 @@ fn next_nap(shared: &Shared, all_parked: bool, confirming_deadlock: bool) -> Dur
     }
 }
 
-/// Adds half the active workers (at least one), up to the maximum;
-/// returns the workers it activated, each with its heartbeat just before.
-pub(crate) fn scale_up(shared: &Arc<Shared>) -> Vec<(usize, u64)> {
+/// Adds workers until the base count of them are not stuck (one per
+/// stuck active worker), up to the maximum; returns the workers it
+/// activated, each with its heartbeat just before.
+pub(crate) fn scale_up(shared: &Arc<Shared>, stuck_active: usize) -> Vec<(usize, u64)> {
     let max = shared.config.max_workers;
     // Retirements change `active` too (worker.rs, `try_retire`): both hold
     // this lock, so the count and the workers' flags agree.
     let scaling = shared.scaling.lock();
     let cur = shared.active.load(Ordering::Acquire);
-    if cur >= max {
+    // As many workers free to take work as the base count: one more for
+    // each stuck active worker (a stuck worker that retired counts for
+    // none: other workers take its queued jobs). Growing by half each time
+    // instead compounded: one blocked thread took a pool of 2 to 16 while a
+    // deep queue lasted (found in review), since each added worker took a
+    // job and the same stuck one asked again.
+    let want = (shared.config.base_workers + stuck_active).min(max);
+    if cur >= want {
         return Vec::new();
     }
-    let want = (cur + (cur / 2).max(1)).min(max);
     let mut added = Vec::with_capacity(want - cur);
     for i in cur..want {
         let beat = shared.workers[i].hot.heartbeat.load(Ordering::Relaxed);

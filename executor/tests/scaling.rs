@@ -305,3 +305,41 @@ fn a_busy_retired_worker_reactivated_does_not_stop_scaling() {
         }
     });
 }
+
+/// One fiber that blocks its thread while a deep queue of short jobs waits
+/// adds about one worker, not the whole `max_workers`: the pool grows by
+/// the stuck workers, not by half each time. (From a review: one blocked
+/// thread took a pool of 2 to 16, since each added worker took a job and
+/// the same stuck worker asked for more.)
+#[test]
+fn one_blocked_fiber_adds_about_one_worker() {
+    watchdog("one_blocked_fiber_adds_about_one_worker", 120, |stage| {
+        let exec =
+            Executor::builder().workers(2).max_workers(16).stuck_threshold(Duration::from_millis(20)).build();
+        let release = Flag::new();
+        let blocking = Flag::new();
+        let blocker = {
+            let (release, blocking) = (release.clone(), blocking.clone());
+            exec.spawn(move || {
+                blocking.set();
+                while !release.is_set() {
+                    // Blocks its worker's thread (no suspension point).
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        wait_for(&stage, "the blocker to hold its worker", || blocking.is_set());
+        stage.set("a deep queue of short jobs behind the blocked worker");
+        let jobs: Vec<_> = (0..20_000).map(|_| exec.spawn(|| spin_for(Duration::from_micros(5)))).collect();
+        for j in jobs {
+            j.join().unwrap();
+        }
+        let stats = exec.stats();
+        release.set();
+        blocker.join().unwrap();
+        // One for the blocked worker, and one of slack for a worker the OS
+        // descheduled for longer than the threshold (it looks stuck too).
+        assert!(stats.peak_workers <= 4, "one blocked fiber grew the pool to {stats:?}");
+        assert!(stats.scale_ups >= 1, "the blocked worker was made up for: {stats:?}");
+    });
+}
