@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{size, watchdog, Flag};
+use common::{size, wait_for, watchdog, Flag};
 use spindle_executor::{spawn, yield_now, Executor};
 
 /// Loops that wait for stealing give up after this, long after the
@@ -171,7 +171,7 @@ fn a_worker_running_a_yielding_fiber_still_steals_a_job_behind_a_blocked_worker(
                     ran
                 })
             };
-            wait_for_thread(|| b_tid.load(Ordering::SeqCst) != 0);
+            wait_for(&stage, "the blocker to start", || b_tid.load(Ordering::SeqCst) != 0);
             let poller = {
                 let (p_tid, same, done) = (p_tid.clone(), same.clone(), done.clone());
                 exec.spawn(move || {
@@ -191,11 +191,4 @@ fn a_worker_running_a_yielding_fiber_still_steals_a_job_behind_a_blocked_worker(
         }
         panic!("could not get the blocker and the poller onto different workers in 50 attempts");
     });
-}
-
-/// Spins (yielding the thread) until `cond` holds; the watchdog bounds it.
-fn wait_for_thread(cond: impl Fn() -> bool) {
-    while !cond() {
-        std::thread::yield_now();
-    }
 }

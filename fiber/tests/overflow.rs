@@ -33,6 +33,24 @@ fn overflowing_fiber(name: &str) -> Fiber<u64> {
     fiber
 }
 
+/// Runs `start(arg)` on a thread the C library starts (not Rust's std: it
+/// has no alternate signal stack of its own), joins it, and returns what
+/// `start` returned.
+fn on_c_thread(
+    start: extern "C" fn(*mut libc::c_void) -> *mut libc::c_void,
+    arg: *mut libc::c_void,
+) -> *mut libc::c_void {
+    // SAFETY: plain pthread calls with valid arguments; the thread is joined
+    // before returning.
+    unsafe {
+        let mut thread: libc::pthread_t = std::mem::zeroed();
+        assert_eq!(libc::pthread_create(&mut thread, std::ptr::null(), start, arg), 0);
+        let mut ret: *mut libc::c_void = std::ptr::null_mut();
+        assert_eq!(libc::pthread_join(thread, &mut ret), 0);
+        ret
+    }
+}
+
 /// The `(id, stack size)` the child printed.
 fn child_fiber(out: &Output) -> (String, String) {
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -125,14 +143,7 @@ fn an_overflow_on_a_thread_without_an_alternate_signal_stack_is_reported() {
             eprintln!("unexpectedly returned: {outcome:?}");
             std::ptr::null_mut()
         }
-        // SAFETY: plain pthread calls with valid arguments; the thread is
-        // joined before returning.
-        unsafe {
-            let mut thread: libc::pthread_t = std::mem::zeroed();
-            let rc = libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut());
-            assert_eq!(rc, 0);
-            libc::pthread_join(thread, std::ptr::null_mut());
-        }
+        on_c_thread(start, std::ptr::null_mut());
         return;
     }
     let out = run_child(FOREIGN_THREAD_CHILD, 60);
@@ -176,17 +187,7 @@ fn the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits() {
                     (lo..hi).contains(&addr)
                 })
         };
-        // SAFETY: plain pthread calls with valid arguments; joined here.
-        let altstack = unsafe {
-            let mut thread: libc::pthread_t = std::mem::zeroed();
-            assert_eq!(
-                libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut()),
-                0
-            );
-            let mut ret: *mut libc::c_void = std::ptr::null_mut();
-            assert_eq!(libc::pthread_join(thread, &mut ret), 0);
-            ret as usize
-        };
+        let altstack = on_c_thread(start, std::ptr::null_mut()) as usize;
         assert_ne!(altstack, 0);
         assert!(
             !mapped(altstack),
@@ -470,16 +471,7 @@ fn an_overflow_while_a_dropped_fiber_unwinds_on_a_foreign_thread_is_reported() {
             eprintln!("unexpectedly returned: the drop did not overflow");
             std::ptr::null_mut()
         }
-        let boxed = Box::into_raw(Box::new(fiber));
-        // SAFETY: plain pthread calls with valid arguments; joined below.
-        unsafe {
-            let mut thread: libc::pthread_t = std::mem::zeroed();
-            assert_eq!(
-                libc::pthread_create(&mut thread, std::ptr::null(), start, boxed.cast()),
-                0
-            );
-            libc::pthread_join(thread, std::ptr::null_mut());
-        }
+        on_c_thread(start, Box::into_raw(Box::new(fiber)).cast());
         return;
     }
     let out = run_child(DROPPED_CHILD, 60);
@@ -523,13 +515,5 @@ fn the_alternate_stack_given_to_a_foreign_thread_has_a_guard_page() {
         assert_eq!(perms, "---p", "a guard page below the alternate stack");
         std::ptr::null_mut()
     }
-    // SAFETY: plain pthread calls with valid arguments; joined below.
-    unsafe {
-        let mut thread: libc::pthread_t = std::mem::zeroed();
-        assert_eq!(
-            libc::pthread_create(&mut thread, std::ptr::null(), start, std::ptr::null_mut()),
-            0
-        );
-        assert_eq!(libc::pthread_join(thread, std::ptr::null_mut()), 0);
-    }
+    on_c_thread(start, std::ptr::null_mut());
 }
