@@ -22,9 +22,8 @@
 //! fibers pinned to the thread that first ran them.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
 
 use spindle_fiber::{set_current_priority, yield_now, Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
@@ -129,31 +128,30 @@ fn main() {
         tasks[PRIORITIES.len() - 1].push(Msg::new(Task::Stop));
     }
 
-    let done = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(workers + 1));
     let counts: Vec<_> = (0..workers)
         .map(|w| {
-            let (queue, done, start, exited) = (queue.clone(), done.clone(), start.clone(), exited.clone());
+            let (queue, start, exited) = (queue.clone(), start.clone(), exited.clone());
             std::thread::spawn(move || {
                 WORKER.with(|c| c.set(w));
                 start.wait();
                 let mut ran = 0usize;
-                while !done.load(Ordering::Acquire) {
-                    if let Some(fiber) = queue.pop_timeout(Duration::from_millis(1)) {
-                        match queue.run_popped(fiber).outcome {
-                            Err(e) => panic!("worker {w}: {e}"),
-                            // The panic comes back here; the worker goes on.
-                            // The fiber will not report its exit, so report
-                            // it for it (its task is missing from the log,
-                            // which the check below then says).
-                            Ok(RunOutcome::Panicked(p)) => {
-                                eprintln!("worker {w}: {p}");
-                                exited.release(1);
-                            }
-                            Ok(_) => {}
+                // Parks while there is nothing to run; `None` once the main
+                // thread has closed the queue.
+                while let Some(fiber) = queue.pop() {
+                    match queue.run_popped(fiber).outcome {
+                        Err(e) => panic!("worker {w}: {e}"),
+                        // The panic comes back here; the worker goes on.
+                        // The fiber will not report its exit, so report
+                        // it for it (its task is missing from the log,
+                        // which the check below then says).
+                        Ok(RunOutcome::Panicked(p)) => {
+                            eprintln!("worker {w}: {p}");
+                            exited.release(1);
                         }
-                        ran += 1;
+                        Ok(_) => {}
                     }
+                    ran += 1;
                 }
                 ran
             })
@@ -169,7 +167,9 @@ fn main() {
     for _ in 0..fibers {
         exited.acquire();
     }
-    done.store(true, Ordering::Release);
+    // Every fiber has reported its exit, its last step: none can come back
+    // to the queue now, so closing it ends every worker's loop.
+    queue.close();
     let runs: Vec<usize> = counts.into_iter().map(|h| h.join().unwrap()).collect();
 
     let log = log.lock().unwrap();

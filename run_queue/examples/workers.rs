@@ -13,16 +13,17 @@
 //! with the safe `set_function`, so it is pinned to the worker that first
 //! runs it: the workers start before the fibers are pushed (so that any
 //! of them may take a fiber's first run), keep popping until every fiber
-//! has finished, and only then stop (a worker that stopped earlier would
-//! strand the fibers pinned to it). Which worker takes which fiber is up
-//! to timing, and the fiber stays there: on two cores one worker often
-//! takes them all, and the other only sets aside what it may not run (the
-//! crate docs, "Pinning also decides the balance"; migratable fibers, set
-//! with the `unsafe` `set_function_migratable`, may run on any worker).
+//! has finished, and only then stop: the worker that sees the last fiber
+//! end closes the queue, and every worker's `pop` returns `None` (a worker
+//! that stopped earlier would strand the fibers pinned to it). Which
+//! worker takes which fiber is up to timing, and the fiber stays there: on
+//! two cores one worker often takes them all, and the other only sets
+//! aside what it may not run (the crate docs, "Pinning also decides the
+//! balance"; migratable fibers, set with the `unsafe`
+//! `set_function_migratable`, may run on any worker).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
@@ -53,19 +54,24 @@ fn main() {
             let (queue, finished) = (queue.clone(), finished.clone());
             std::thread::spawn(move || {
                 let mut runs = 0u64;
-                // Until every fiber has finished, not until the queue looks
-                // empty: a sleeping fiber is in no queue, and may be pinned
-                // to this thread.
-                while finished.load(Ordering::Acquire) < CONSUMERS + 1 {
-                    let Some(fiber) = queue.pop_timeout(Duration::from_millis(10)) else { continue };
+                // Until the queue is closed, not until it looks empty: a
+                // sleeping fiber is in no queue, and may be pinned to this
+                // thread. `pop` parks while there is nothing to run.
+                while let Some(fiber) = queue.pop() {
                     runs += 1;
-                    match queue.run_popped(fiber).outcome {
-                        Ok(RunOutcome::Returned(())) => {
-                            finished.fetch_add(1, Ordering::Release);
+                    // The worker that sees the last fiber end closes the
+                    // queue: no fiber can come back to it now, and every
+                    // worker's `pop` returns `None`.
+                    let ended = || {
+                        if finished.fetch_add(1, Ordering::AcqRel) + 1 == CONSUMERS + 1 {
+                            queue.close();
                         }
+                    };
+                    match queue.run_popped(fiber).outcome {
+                        Ok(RunOutcome::Returned(())) => ended(),
                         Ok(RunOutcome::Panicked(p)) => {
                             eprintln!("worker {w}: {p}");
-                            finished.fetch_add(1, Ordering::Release);
+                            ended();
                         }
                         // Yielded: back in the queue; slept: a wake puts it back.
                         Ok(_) => {}

@@ -14,8 +14,10 @@
 //! `wrong_thread`). So a worker thread that has started fibers must keep
 //! popping until they have finished: a fiber pinned to a thread that left
 //! its loop stays in the queue, counted in `len()`, until the queue is
-//! dropped. Stop workers once the work is done (count finished fibers, as
-//! the `workers` example does), not on a timer. Fibers whose functions are
+//! dropped. Stop workers once the work is done, not on a timer: loop on
+//! [`RunQueue::pop`], and [`close`](RunQueue::close) the queue when the
+//! last fiber has finished (count them, as the `workers` example does);
+//! every worker's `pop` then returns `None`. Fibers whose functions are
 //! safe to move (`set_function_migratable`, `unsafe`) may run on any
 //! worker.
 //!

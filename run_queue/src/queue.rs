@@ -8,7 +8,8 @@
 //!
 //! Popper:
 //! 1. lock; pop if non-empty, unlock, done;
-//! 2. else increment `sleepers`, wait on the condvar (which releases the
+//! 2. else, if the queue is closed, unlock and return `None`;
+//! 3. else increment `sleepers`, wait on the condvar (which releases the
 //!    lock atomically with going to sleep), decrement `sleepers` on waking,
 //!    go to 1 until the deadline.
 //!
@@ -23,6 +24,15 @@
 //! fiber) or after its step 2 registered it (the pusher sees `sleepers > 0`
 //! and notifies, if the popper may run the fiber). Both read and write `sleepers` under the lock, so there is
 //! no third order.
+//!
+//! Closer ([`RunQueue::close`]):
+//! 1. lock; set `closed`; unlock;
+//! 2. notify every parked popper.
+//!
+//! A popper either reads `closed` at its step 2 (and returns) or registered
+//! at its step 3 before the closer's step 1 took the lock, and is then
+//! woken by step 2, goes round to its step 2 and returns. `closed` is only
+//! read and written under the lock, and never cleared.
 //!
 //! A pop hands out only fibers the popping thread may run; one pinned to
 //! another thread is set aside for it (under the lock), and the popper then
@@ -124,6 +134,9 @@ struct Synced<T> {
     elsewhere: Vec<(Fiber<T>, Priority)>,
     /// Poppers parked on the condvar.
     sleepers: usize,
+    /// Set by `RunQueue::close`, never cleared: poppers no longer wait,
+    /// and `try_push` refuses.
+    closed: bool,
     /// Counters: plain fields, since every operation holds the lock anyway.
     stats: RunQueueStats,
 }
@@ -226,13 +239,16 @@ pub enum PushError<T> {
     /// The fiber is not runnable (running, already queued, asleep, finished
     /// or without a function).
     NotReady(Fiber<T>, FiberError),
+    /// The queue was closed ([`RunQueue::close`]): its workers may have
+    /// stopped popping, so a new fiber could wait there for ever.
+    Closed(Fiber<T>),
 }
 
 impl<T> PushError<T> {
     /// The fiber that was not pushed.
     pub fn into_fiber(self) -> Fiber<T> {
         match self {
-            PushError::Full(f) | PushError::NotReady(f, _) => f,
+            PushError::Full(f) | PushError::NotReady(f, _) | PushError::Closed(f) => f,
         }
     }
 }
@@ -242,6 +258,7 @@ impl<T> fmt::Debug for PushError<T> {
         match self {
             PushError::Full(fiber) => f.debug_tuple("Full").field(&fiber.id()).finish(),
             PushError::NotReady(fiber, e) => f.debug_tuple("NotReady").field(&fiber.id()).field(e).finish(),
+            PushError::Closed(fiber) => f.debug_tuple("Closed").field(&fiber.id()).finish(),
         }
     }
 }
@@ -253,6 +270,12 @@ impl<T> fmt::Display for PushError<T> {
                 f,
                 "run queue is full: fiber {} was handed back; pop fibers first or create the queue \
                  with a larger capacity",
+                fiber.id()
+            ),
+            PushError::Closed(fiber) => write!(
+                f,
+                "run queue is closed: fiber {} was handed back; its workers may have stopped, so \
+                 run it yourself or push it onto a queue that is still open",
                 fiber.id()
             ),
             // A fiber's own message for `Queued` is about running it.
@@ -339,6 +362,7 @@ impl<T: Send + 'static> RunQueue<T> {
                 heap: Levels::new(),
                 elsewhere: Vec::new(),
                 sleepers: 0,
+                closed: false,
                 stats: RunQueueStats::default(),
             }),
             not_empty: Condvar::new(),
@@ -356,9 +380,14 @@ impl<T: Send + 'static> RunQueue<T> {
     /// [`PushError::Full`] if the queue holds [`capacity`](RunQueue::capacity)
     /// fibers; [`PushError::NotReady`] (with the fiber's own error) if it is
     /// not runnable: running, already queued, asleep, finished, or without a
-    /// function.
+    /// function; [`PushError::Closed`] once the queue is
+    /// [closed](RunQueue::close).
     pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
         let mut synced = self.shared.synced.lock();
+        if synced.closed {
+            drop(synced);
+            return Err(PushError::Closed(fiber));
+        }
         if synced.len() >= self.shared.capacity {
             // A fiber that could not be queued anyway says why, rather than
             // sending its caller to make room for it.
@@ -394,8 +423,51 @@ impl<T: Send + 'static> RunQueue<T> {
     }
 
     /// Pops the highest-priority fiber the calling thread may run, waiting
+    /// for one as long as it takes; `None` once the queue is
+    /// [closed](RunQueue::close) and holds nothing this thread may run.
+    /// This is the loop of a worker thread:
+    ///
+    /// ```
+    /// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
+    /// use spindle_run_queue::RunQueue;
+    ///
+    /// let queue = RunQueue::new(16);
+    /// let worker = std::thread::spawn({
+    ///     let queue = queue.clone();
+    ///     move || {
+    ///         let mut returned = 0;
+    ///         // Ends when the queue is closed and empty.
+    ///         while let Some(fiber) = queue.pop() {
+    ///             if let Ok(RunOutcome::Returned(())) = queue.run_popped(fiber).outcome {
+    ///                 returned += 1;
+    ///             }
+    ///         }
+    ///         returned
+    ///     }
+    /// });
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// let (tx, rx) = std::sync::mpsc::channel();
+    /// fiber.set_function(Priority::NORMAL, move || { yield_now(); tx.send(()).unwrap() }).unwrap();
+    /// queue.try_push(fiber).unwrap();
+    /// rx.recv().unwrap(); // the fiber's work is done
+    /// queue.close();
+    /// assert_eq!(worker.join().unwrap(), 1);
+    /// ```
+    ///
+    /// Close the queue only once no fiber can come back to it: a fiber
+    /// still running, or asleep on a primitive, returns here when it
+    /// yields or is woken, and a worker that has stopped will not run it.
+    /// (In the example the fiber's send is its last suspension-free step:
+    /// after it the function returns without coming back to the queue.)
+    pub fn pop(&self) -> Option<Fiber<T>> {
+        self.pop_timeout(Duration::MAX)
+    }
+
+    /// Pops the highest-priority fiber the calling thread may run, waiting
     /// up to `timeout` for one:
-    /// polls briefly, then parks the thread. `None` on timeout. A zero
+    /// polls briefly, then parks the thread. `None` on timeout, or at once
+    /// (after the polls) if the queue is [closed](RunQueue::close) and
+    /// holds nothing this thread may run. A zero
     /// timeout is [`try_pop`](RunQueue::try_pop); the polls that yield the
     /// thread stop at the deadline (one `yield_now` may outlast it on a
     /// busy machine).
@@ -433,6 +505,11 @@ impl<T: Send + 'static> RunQueue<T> {
             if popped.is_some() {
                 drop(synced);
                 return self.shared.finish_pop((popped, false));
+            }
+            if synced.closed {
+                // Popper step 2: a closed queue is not waited on.
+                synced.stats.empty_pops += 1;
+                return None;
             }
             if passed(deadline) {
                 // Out of time before parking: no park to count.
@@ -573,6 +650,35 @@ impl<T: Send + 'static> RunQueue<T> {
 }
 
 impl<T> RunQueue<T> {
+    /// Closes the queue, for the end of a pool of worker threads: poppers
+    /// stop waiting ([`pop`](RunQueue::pop) and
+    /// [`pop_timeout`](RunQueue::pop_timeout) return `None` as soon as
+    /// the queue holds nothing the popping thread may run, and every
+    /// parked popper wakes to see it), and [`try_push`](RunQueue::try_push)
+    /// refuses new fibers ([`PushError::Closed`]). Fibers already in it
+    /// stay and can still be popped. Fibers that come back on their own
+    /// are still taken in, so that nothing is lost: one that yields in
+    /// [`run_popped`](RunQueue::run_popped) (or is
+    /// [requeued](RunQueue::requeue)), and one woken by a primitive. A
+    /// worker that keeps popping until `None` runs them, as long as they
+    /// come back before it stops.
+    ///
+    /// Returns `true` if this call closed it, `false` if it was closed
+    /// already. A queue is never reopened.
+    pub fn close(&self) -> bool {
+        let mut synced = self.shared.synced.lock();
+        let was = std::mem::replace(&mut synced.closed, true);
+        drop(synced);
+        // Closer step 2: every parked popper goes round and sees it.
+        self.shared.not_empty.notify_all();
+        !was
+    }
+
+    /// Whether [`close`](RunQueue::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.shared.synced.lock().closed
+    }
+
     /// Fibers in the queue now.
     pub fn len(&self) -> usize {
         self.shared.synced.lock().len()
@@ -694,13 +800,14 @@ impl<T> Drop for RunQueue<T> {
 impl<T> fmt::Debug for RunQueue<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // One lock hold: the length and the counters of one moment.
-        let (len, stats) = {
+        let (len, closed, stats) = {
             let synced = self.shared.synced.lock();
-            (synced.len(), synced.stats)
+            (synced.len(), synced.closed, synced.stats)
         };
         f.debug_struct("RunQueue")
             .field("len", &len)
             .field("capacity", &self.capacity())
+            .field("closed", &closed)
             .field("stats", &stats)
             .finish()
     }

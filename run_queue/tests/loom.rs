@@ -10,7 +10,7 @@
 //!
 //! The queue normally locks with parking_lot, which loom cannot see; built
 //! with `--cfg loom`, its private `sync` module puts loom's `Mutex` and
-//! `Condvar` behind the same API, so `try_push`, `pop_timeout`, `requeue`
+//! `Condvar` behind the same API, so `try_push`, `pop_timeout`, `close`, `requeue`
 //! and the wake seam (`Schedule::schedule`) below are the real code, and so
 //! is the fiber state machine they drive. Loom has no clock: a parked
 //! popper waits until notified (the timeout is not modelled), so a lost
@@ -424,4 +424,48 @@ fn set_aside_wakes_every_parked_popper() {
         SEEN.load(std::sync::atomic::Ordering::Relaxed),
         "no explored interleaving set the fiber aside with the owner parked behind both other poppers"
     );
+}
+
+/// Two poppers waiting without a deadline (`pop`) and a close: each may
+/// park before, during or after it, and each must return `None` (popper
+/// step 2 against closer steps 1-2). A missed notification leaves one
+/// parked forever, which loom reports as a deadlock.
+#[test]
+fn close_reaches_parked_poppers() {
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let poppers: Vec<_> = (0..2)
+            .map(|_| {
+                let q = q.clone();
+                thread::spawn(move || q.pop().is_none())
+            })
+            .collect();
+        assert!(q.close());
+        for p in poppers {
+            assert!(p.join().unwrap(), "a closed, empty queue pops None");
+        }
+    });
+}
+
+/// A push and then a close, racing one popper that pops twice: the fiber
+/// pushed before the close is never lost to it (the first pop gets it,
+/// whether it parked before the push or not), and the second pop ends.
+#[test]
+fn a_push_before_close_still_reaches_the_popper() {
+    model(|| {
+        let q: RunQueue<()> = RunQueue::new(4);
+        let popper = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let first = q.pop().map(|f| f.id());
+                (first, q.pop().is_none())
+            })
+        };
+        let f = fiber(|| {});
+        let id = f.id();
+        q.try_push(f).unwrap();
+        q.close();
+        assert_eq!(popper.join().unwrap(), (Some(id), true));
+        assert!(q.is_empty());
+    });
 }

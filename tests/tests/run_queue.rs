@@ -1118,3 +1118,141 @@ fn a_fiber_sent_back_by_run_popped_keeps_fifo_among_equals() {
         assert_eq!(queue.try_pop().unwrap().name(), Some("x"));
     });
 }
+
+/// `close` wakes every popper parked in `pop` (which otherwise waits for
+/// ever), they return `None`, and later pushes are refused with the fiber
+/// handed back and a message that says why.
+#[test]
+fn close_wakes_parked_poppers_and_refuses_new_fibers() {
+    const POPPERS: usize = 3;
+    watchdog("close_wakes_parked_poppers_and_refuses_new_fibers", 30, |stage| {
+        let queue = RunQueue::<()>::new(4);
+        let poppers: Vec<_> = (0..POPPERS)
+            .map(|_| {
+                let q = queue.clone();
+                thread::spawn(move || q.pop().map(|f| f.id()))
+            })
+            .collect();
+        stage.set("waiting for every popper to park");
+        spin_until(|| queue.stats().parks >= POPPERS as u64);
+        assert!(!queue.is_closed());
+        assert!(queue.close(), "the first close closes");
+        assert!(!queue.close(), "a second close finds it closed");
+        assert!(queue.is_closed());
+        stage.set("waiting for the parked poppers to return after close");
+        for p in poppers {
+            assert_eq!(p.join().unwrap(), None, "a closed, empty queue pops None");
+        }
+        let f = fiber(Priority::NORMAL, || ());
+        let id = f.id();
+        let err = queue.try_push(f).unwrap_err();
+        assert!(matches!(err, PushError::Closed(_)), "{err:?}");
+        assert!(err.to_string().contains("closed"), "{err}");
+        let back = err.into_fiber();
+        assert_eq!(back.id(), id);
+        assert_eq!(back.state(), FiberState::Ready, "the refused fiber is untouched");
+        assert!(queue.is_empty());
+        assert!(format!("{queue:?}").contains("closed: true"), "{queue:?}");
+        // Nothing waits on a closed queue, whatever the timeout.
+        assert!(queue.pop_timeout(Duration::from_secs(600)).is_none());
+    });
+}
+
+/// Closing does not lose what is in the queue or comes back to it: fibers
+/// queued before the close are still popped, a fiber that yields after it
+/// is requeued, a fiber asleep on a primitive is woken back into it, and
+/// the worker loop ends only once all of them have returned.
+#[test]
+fn a_closed_queue_keeps_and_takes_back_its_fibers() {
+    watchdog("a_closed_queue_keeps_and_takes_back_its_fibers", 30, |stage| {
+        let queue = RunQueue::<&'static str>::new(4);
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        queue
+            .try_push(fiber(Priority::NORMAL, move || {
+                s.acquire();
+                "sleeper"
+            }))
+            .unwrap();
+        // The sleeper runs first (FIFO) and goes to sleep on the semaphore.
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        queue
+            .try_push(fiber(Priority::NORMAL, || {
+                yield_now();
+                yield_now();
+                "yielder"
+            }))
+            .unwrap();
+        queue.close();
+        // Woken after the close: it comes back to its home all the same.
+        sem.release(1);
+        assert_eq!(queue.len(), 2);
+        stage.set("draining the closed queue");
+        let mut returned = Vec::new();
+        while let Some(f) = queue.pop() {
+            if let Ok(RunOutcome::Returned(r)) = queue.run_popped(f).outcome {
+                returned.push(r);
+            }
+        }
+        returned.sort_unstable();
+        assert_eq!(returned, ["sleeper", "yielder"]);
+        assert!(queue.is_empty());
+        let stats = queue.stats();
+        assert_eq!(stats.wakes, 1);
+        assert_eq!(stats.pushes, stats.pops, "{stats:?}");
+    });
+}
+
+/// Worker threads that loop on `pop` until `None`, over fibers that
+/// hand messages to each other through sync primitives: the worker that
+/// sees the last fiber return closes the queue, and every worker stops.
+#[test]
+fn workers_stop_when_the_last_fiber_closes_the_queue() {
+    const WORKERS: usize = 3;
+    const FIBERS: usize = 12;
+    watchdog("workers_stop_when_the_last_fiber_closes_the_queue", 60, |stage| {
+        let queue = RunQueue::<usize>::new(FIBERS);
+        let sem = Arc::new(Semaphore::new(1));
+        let returned = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let (q, returned) = (queue.clone(), returned.clone());
+                thread::spawn(move || {
+                    let mut sum = 0;
+                    while let Some(f) = q.pop() {
+                        match q.run_popped(f).outcome {
+                            Ok(RunOutcome::Returned(i)) => {
+                                sum += i;
+                                if returned.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == FIBERS {
+                                    q.close();
+                                }
+                            }
+                            Ok(RunOutcome::Panicked(p)) => panic!("{p}"),
+                            Ok(_) => {}
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                    sum
+                })
+            })
+            .collect();
+        for i in 0..FIBERS {
+            let sem = sem.clone();
+            queue
+                .try_push(fiber(Priority::NORMAL, move || {
+                    for _ in 0..20 {
+                        // One fiber at a time holds the token: the others sleep.
+                        sem.acquire();
+                        yield_now();
+                        sem.release(1);
+                    }
+                    i
+                }))
+                .unwrap();
+        }
+        stage.set("waiting for the workers to stop after the last fiber returned");
+        let total: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+        assert_eq!(total, (0..FIBERS).sum::<usize>());
+        assert!(queue.is_closed() && queue.is_empty());
+    });
+}
