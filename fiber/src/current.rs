@@ -514,7 +514,10 @@ impl Waiter {
             match h.as_ref().state.transition_to_woken() {
                 WakeTransition::Owned => {
                     if (h.as_ref().vtable.finish_wake)(h) {
-                        return Err(RefusedWake { header: h });
+                        return Err(RefusedWake {
+                            header: h,
+                            held: true,
+                        });
                     }
                 }
                 WakeTransition::Void if take_back && h.as_ref().home_refused.load(Ordering::Relaxed) => {
@@ -543,7 +546,12 @@ unsafe fn wake_refused_before(h: NonNull<Header>) -> Result<(), RefusedWake> {
     match header.state.transition(FiberState::Ready, FiberState::Locked) {
         // Held: the mark is written only under the hold, so this reading
         // is exact. Cleared meanwhile (a new home, then dequeued): void.
-        Ok(()) if header.home_refused.load(Ordering::Relaxed) => return Err(RefusedWake { header: h }),
+        Ok(()) if header.home_refused.load(Ordering::Relaxed) => {
+            return Err(RefusedWake {
+                header: h,
+                held: true,
+            })
+        }
         Ok(()) => header.state.store(FiberState::Ready),
         Err(FiberState::Sleeping | FiberState::Running) => {
             // SAFETY: the caller's reference goes to the waiter.
@@ -563,14 +571,17 @@ unsafe fn wake_refused_before(h: NonNull<Header>) -> Result<(), RefusedWake> {
 /// the wait the fiber is in, if that wait set one ([`WaitHook`]), which
 /// takes back what its primitive handed the fiber and hands it on; the
 /// fiber becomes `Ready`, in no queue (later value-handing wakes of it are
-/// refused too, until it is queued again or given another home). Then the
-/// reference it holds is
-/// dropped (a last reference unwinds or leaks the fiber, as any last
-/// reference does).
+/// refused too, until it is queued again or given another home). Dropping
+/// it then wakes whoever the value went on to, and only after that drops
+/// the reference it holds (a last reference unwinds or leaks the fiber, as
+/// any last reference does): a destructor on the fiber's stack that waits
+/// for the value just handed on finds its waiter already woken.
 ///
 /// Forgetting it (`mem::forget`) leaves the fiber held for good.
 pub struct RefusedWake {
     header: NonNull<Header>,
+    /// The fiber is still held (`Locked`): not let go of yet.
+    held: bool,
 }
 
 // SAFETY: as for `Waiter`: a counted reference, used only through the
@@ -590,13 +601,42 @@ impl RefusedWake {
     /// but returns the waiter of the fiber the hook handed the value on to
     /// instead of waking it: a waker that loops over refusals
     /// (`try_wake`, then `take_back` of each refusal) needs no recursion,
-    /// however many refused fibers wait in a row.
+    /// however many refused fibers wait in a row. `None` if nothing was
+    /// handed on, or if it was let go of already (a second call).
+    ///
+    /// The refusal keeps its reference to the fiber until it is dropped.
+    /// Drop it only after waking the returned waiter (and those after it,
+    /// in such a loop): if this is the fiber's last reference, the drop
+    /// unwinds the fiber's stack on this thread, and a destructor there
+    /// that waits for the value just handed on would wait for ever.
+    ///
+    /// ```
+    /// # use spindle_fiber::{RefusedWake, Waiter};
+    /// /// Wakes `first`, and whoever a refusal hands the value on to.
+    /// fn wake_all_the_way(first: Waiter) {
+    ///     let mut refused: Vec<RefusedWake> = Vec::new();
+    ///     let mut next = Some(first);
+    ///     while let Some(w) = next {
+    ///         next = match w.try_wake() {
+    ///             Ok(()) => None,
+    ///             Err(mut r) => {
+    ///                 let n = r.take_back();
+    ///                 refused.push(r);
+    ///                 n
+    ///             }
+    ///         };
+    ///     }
+    ///     drop(refused); // every waiter is woken: release the fibers now
+    /// }
+    /// ```
     #[must_use = "the fiber the value went on to sleeps until woken"]
-    pub fn take_back(self) -> Option<Waiter> {
-        let h = self.header;
-        std::mem::forget(self);
-        // SAFETY: we owned the reference and the hold; `self` is gone.
-        unsafe { let_go_and_release(h) }
+    pub fn take_back(&mut self) -> Option<Waiter> {
+        if !std::mem::replace(&mut self.held, false) {
+            return None;
+        }
+        // SAFETY: we own a reference and held the state `Locked`; `held`
+        // is cleared, so this is the one let-go.
+        unsafe { let_go_refused(self.header) }
     }
 }
 
@@ -605,22 +645,14 @@ impl Drop for RefusedWake {
     #[cold]
     #[inline(never)]
     fn drop(&mut self) {
-        // SAFETY: we own a reference and hold the state `Locked`; the
-        // header is not touched again.
-        wake_handing_over(unsafe { let_go_and_release(self.header) });
-    }
-}
-
-/// Lets go of a refused fiber (`let_go_refused`), then drops the reference.
-///
-/// # Safety
-/// The caller hands over one counted reference and the hold (`Locked`).
-unsafe fn let_go_and_release(h: NonNull<Header>) -> Option<Waiter> {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let next = let_go_refused(h);
-        (h.as_ref().vtable.release)(h);
-        next
+        // Let go and wake whoever the value went on to before releasing
+        // the reference: its release may unwind the fiber here, and a
+        // destructor on its stack may wait for that very value (found in
+        // review: it waited for a wake this drop had not made yet).
+        let next = self.take_back();
+        wake_handing_over(next);
+        // SAFETY: we own a reference; the header is not touched again.
+        unsafe { (self.header.as_ref().vtable.release)(self.header) };
     }
 }
 
@@ -661,14 +693,23 @@ impl std::fmt::Display for RefusedWake {
 impl std::error::Error for RefusedWake {}
 
 /// Wakes `next` for a value handed to it, and whoever the value goes on to
-/// after each refusal, in a loop.
+/// after each refusal, in a loop; the refused fibers are released only
+/// once the last waiter is woken (see [`RefusedWake::take_back`]). The
+/// list allocates only if a wake is refused, which happens only once a
+/// scheduler has shut down.
 pub(crate) fn wake_handing_over(mut next: Option<Waiter>) {
+    let mut refused: Vec<RefusedWake> = Vec::new();
     while let Some(w) = next {
         next = match w.try_wake() {
             Ok(()) => None,
-            Err(refused) => refused.take_back(),
+            Err(mut r) => {
+                let n = r.take_back();
+                refused.push(r);
+                n
+            }
         };
     }
+    drop(refused);
 }
 
 /// Lets go of a held fiber whose home refused it (or that is marked

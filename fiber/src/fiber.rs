@@ -1399,7 +1399,10 @@ impl<T> Fiber<T> {
     ///
     /// `spindle-run-queue` calls this for the fibers left in a queue whose
     /// last handle goes, and `spindle-executor` for those its workers
-    /// still hold at shutdown. Call it only on fibers the scheduler lets go
+    /// still hold at shutdown; both abandon every fiber they hold before
+    /// they drop any, since a dropped fiber may be unwound there and then,
+    /// and a destructor on its stack may wait for what abandoning another
+    /// hands on. Call it only on fibers the scheduler lets go
     /// of for good. Called on a fiber that is still in a live queue, it
     /// leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued) would),
     /// and its next requeue or accepted wake clears the mark; until then a

@@ -791,9 +791,14 @@ impl<T> Drop for RunQueue<T> {
             all.extend(synced.elsewhere.drain(..).map(|(f, _)| f));
             all
         };
-        for f in drained {
+        // Every fiber is abandoned before any is dropped: a dropped fiber
+        // may be unwound here, and a destructor on its stack may wait for
+        // a token or message that abandoning a later one hands on (found
+        // in review: it waited for ever).
+        for f in &drained {
             let _ = f.abandon();
         }
+        drop(drained);
     }
 }
 

@@ -627,3 +627,149 @@ fn a_fiber_its_queue_abandons_hands_on_the_next_token() {
         }
     });
 }
+
+/// Waits on its semaphore when dropped: a destructor on a dropped fiber's
+/// stack, unwound on the dropping thread, where the wait blocks the thread.
+struct WaitsOnDrop(Arc<Semaphore>);
+
+impl Drop for WaitsOnDrop {
+    fn drop(&mut self) {
+        self.0.acquire();
+    }
+}
+
+/// A migratable fiber that holds a `WaitsOnDrop(gate)` and then runs `f`.
+fn migratable_waiting_on_drop(
+    priority: Priority,
+    gate: &Arc<Semaphore>,
+    f: impl FnOnce() + Send + 'static,
+) -> Fiber<()> {
+    let fiber = Fiber::new(spindle_fiber::FiberAttr::new().stack_size(64 * 1024)).unwrap();
+    let gate = gate.clone();
+    // SAFETY: only `Arc`s live across the suspension; no thread-locals.
+    unsafe {
+        fiber.set_function_migratable(priority, move || {
+            let _waits = WaitsOnDrop(gate);
+            f();
+        })
+    }
+    .unwrap();
+    fiber
+}
+
+/// A worker thread over `queue` until the queue is closed.
+fn worker(queue: &RunQueue<()>) -> std::thread::JoinHandle<()> {
+    let queue = queue.clone();
+    std::thread::spawn(move || {
+        while let Some(f) = queue.pop() {
+            let _ = queue.run_popped(f);
+        }
+    })
+}
+
+/// A refused fiber whose wait node holds its last reference: letting go of
+/// the refusal hands its token to the next waiter, and only then releases
+/// (and so unwinds) the fiber, whose destructor waits for what that waiter
+/// does with the token. (Found in review: the fiber was unwound first, on
+/// the releasing thread, and its destructor waited for a wake that the
+/// same thread had not made yet: the release never returned.)
+#[test]
+fn a_refused_fiber_is_unwound_only_after_the_next_waiter_is_woken() {
+    watchdog("a_refused_fiber_is_unwound_only_after_the_next_waiter_is_woken", 30, |stage| {
+        let (sem, gate) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+        // F: first in line, its queue gone, its node's waiter its last
+        // reference. Its destructor waits for the gate.
+        let s = sem.clone();
+        let f = migratable_waiting_on_drop(Priority::NORMAL, &gate, move || s.acquire());
+        let dead = RunQueue::new(1);
+        dead.try_push(f).unwrap();
+        assert!(matches!(dead.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        drop(dead);
+        // W: second in line, on a live queue with a worker; with a token it
+        // opens the gate.
+        let live = RunQueue::new(1);
+        let (s, g) = (sem.clone(), gate.clone());
+        live.try_push(fiber(Priority::NORMAL, move || {
+            s.acquire();
+            g.release(1);
+        }))
+        .unwrap();
+        let worker = worker(&live);
+        spin_until(|| sem.waiters() == 2);
+        stage.set("release(1): F refused, its token handed on to W, then F unwound here");
+        sem.release(1);
+        live.close();
+        worker.join().unwrap();
+        assert_eq!((sem.available(), gate.available()), (0, 0));
+    });
+}
+
+/// The last handle of a queue abandons every fiber in it before it drops
+/// any: a dropped fiber unwinds there, and its destructor may wait for what
+/// abandoning a later one hands on. (Found in review: each fiber was
+/// abandoned and dropped in turn, and the first one's destructor waited for
+/// a token the second one still held.)
+#[test]
+fn a_dropped_queue_abandons_every_fiber_before_dropping_any() {
+    watchdog("a_dropped_queue_abandons_every_fiber_before_dropping_any", 30, |stage| {
+        let (sem_a, sem_b, gate) =
+            (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+        let q = RunQueue::new(2);
+        // F1, drained first (higher priority), waits for the gate when
+        // unwound; F2 sleeps on `sem_b` ahead of W.
+        let s = sem_a.clone();
+        q.try_push(migratable_waiting_on_drop(Priority(200), &gate, move || s.acquire())).unwrap();
+        let s = sem_b.clone();
+        q.try_push(fiber(Priority(100), move || s.acquire())).unwrap();
+        while let Some(ran) = q.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        // W, on a live queue with a worker, opens the gate with a token of
+        // `sem_b`, which only abandoning F2 hands on.
+        let live = RunQueue::new(1);
+        let (s, g) = (sem_b.clone(), gate.clone());
+        live.try_push(fiber(Priority::NORMAL, move || {
+            s.acquire();
+            g.release(1);
+        }))
+        .unwrap();
+        let worker = worker(&live);
+        spin_until(|| sem_b.waiters() == 2);
+        // Woken back into `q`, which now holds their last references.
+        sem_a.release(1);
+        sem_b.release(1);
+        assert_eq!(q.len(), 2);
+        stage.set("dropping the queue: F2's token must reach W before F1 is unwound");
+        drop(q);
+        live.close();
+        worker.join().unwrap();
+        // F1's token went back to `sem_a` (no one else waits there), F2's
+        // to W, and W's gate release to F1's destructor.
+        assert_eq!((sem_a.available(), sem_b.available(), gate.available()), (1, 0, 0));
+    });
+}
+
+/// `release(2)` hands both tokens out (or counts them) before it wakes
+/// anyone: the first wake drops a homeless fiber's last reference, and the
+/// destructor that unwinds there acquires a token of the same semaphore.
+/// (Found in review: the second token was still in `release`'s hands, and
+/// the release waited for itself.)
+#[test]
+fn a_release_hands_out_its_tokens_before_a_wake_runs_destructors() {
+    watchdog("a_release_hands_out_its_tokens_before_a_wake_runs_destructors", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let f = migratable_waiting_on_drop(Priority::NORMAL, &sem, move || s.acquire());
+        // Run by hand: no home. Its node's waiter becomes its only reference.
+        assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+        drop(f);
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire());
+        spin_until(|| sem.waiters() == 2);
+        stage.set("release(2), the homeless fiber first and a thread second");
+        sem.release(2);
+        stage.set("joining the thread that waited second");
+        thread.join().unwrap();
+        assert_eq!(sem.available(), 0);
+    });
+}
