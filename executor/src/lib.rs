@@ -26,7 +26,8 @@
 //!   the executor go round-robin across workers, a spawn from one of its
 //!   fibers to that fiber's own worker (idle workers steal it); each wakes
 //!   at most one worker.
-//! * Priorities: three classes (high >= 192, normal, low < 64); a worker
+//! * Priorities: three classes (high: `Priority::HIGH` (192) and above,
+//!   low: `Priority::LOW` (64) and below, normal between); a worker
 //!   always takes work of a higher class first.
 //! * `spindle-sync` primitives work unchanged inside: the executor
 //!   implements the fiber crate's wake seam.

@@ -52,13 +52,14 @@ use crate::config::Config;
 use crate::task::TaskRef;
 use crate::timer::Timers;
 
-/// Priority classes: 0 = high (>= 192), 1 = normal, 2 = low (< 64).
+/// Priority classes: 0 = high (`Priority::HIGH`, 192, and above), 1 =
+/// normal, 2 = low (`Priority::LOW`, 64, and below).
 pub(crate) const CLASSES: usize = 3;
 
 pub(crate) fn class_of(p: Priority) -> usize {
-    match p.0 {
-        192..=255 => 0,
-        64..=191 => 1,
+    match p {
+        p if p >= Priority::HIGH => 0,
+        p if p > Priority::LOW => 1,
         _ => 2,
     }
 }

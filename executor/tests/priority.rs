@@ -1,5 +1,7 @@
 //! Priorities under saturation: with one worker and a full queue, fibers of
 //! a higher priority class all complete before any of a lower class runs.
+//! The classes: `Priority::HIGH` and above, `Priority::LOW` and below, and
+//! the levels between.
 
 mod common;
 
@@ -46,18 +48,33 @@ fn higher_classes_complete_first_under_saturation() {
                 2 => Class::High,
                 _ => Class::Low,
             };
+            // Each class at both of its ends, alternately: the executor
+            // orders by class, FIFO within one, whatever the level.
+            let edge = (i / 6) % 2 == 0;
             let priority = match class {
                 Class::High => {
                     highs += 1;
-                    Priority::HIGHEST
+                    if edge {
+                        Priority::HIGHEST
+                    } else {
+                        Priority::HIGH
+                    }
                 }
                 Class::Normal => {
                     normals += 1;
-                    Priority::NORMAL
+                    if edge {
+                        Priority(Priority::HIGH.0 - 1)
+                    } else {
+                        Priority(Priority::LOW.0 + 1)
+                    }
                 }
                 Class::Low => {
                     lows += 1;
-                    Priority::LOWEST
+                    if edge {
+                        Priority::LOW
+                    } else {
+                        Priority::LOWEST
+                    }
                 }
             };
             let order = Arc::clone(&order);
@@ -80,7 +97,7 @@ fn higher_classes_complete_first_under_saturation() {
         let last_high = classes.iter().rposition(|&c| c == Class::High).unwrap();
         assert!(
             last_high < first_low,
-            "every HIGHEST fiber completed before any LOWEST one: last high at {last_high}, first low at {first_low}"
+            "every high-class fiber completed before any low-class one: last high at {last_high}, first low at {first_low}"
         );
         let mut sorted = classes.clone();
         sorted.sort();

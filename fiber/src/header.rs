@@ -71,12 +71,15 @@ impl fmt::Display for FiberId {
     }
 }
 
-/// A scheduling priority: larger values run first.
+/// A scheduling priority: larger values run first. Any of the 256 values
+/// may be used; the constants name five of them, evenly spread (the
+/// executor's three priority classes are `HIGH` and above, `LOW` and
+/// below, and the values between).
 ///
 /// ```
 /// use spindle_fiber::Priority;
-/// assert!(Priority::HIGHEST > Priority::NORMAL);
-/// assert!(Priority::NORMAL > Priority::LOWEST);
+/// assert!(Priority::HIGHEST > Priority::HIGH && Priority::HIGH > Priority::NORMAL);
+/// assert!(Priority::NORMAL > Priority::LOW && Priority::LOW > Priority::LOWEST);
 /// assert_eq!(Priority::default(), Priority::NORMAL);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -85,8 +88,12 @@ pub struct Priority(pub u8);
 impl Priority {
     /// Runs before everything else.
     pub const HIGHEST: Priority = Priority(u8::MAX);
+    /// Above the default (192).
+    pub const HIGH: Priority = Priority(192);
     /// The default.
     pub const NORMAL: Priority = Priority(128);
+    /// Below the default (64).
+    pub const LOW: Priority = Priority(64);
     /// Runs when nothing else is ready.
     pub const LOWEST: Priority = Priority(0);
 }

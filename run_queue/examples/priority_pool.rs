@@ -31,7 +31,7 @@ use spindle_sync::{Channel, Msg, Semaphore};
 
 const PRIORITIES: [(&str, Priority); 4] = [
     ("highest", Priority::HIGHEST),
-    ("high", Priority(192)),
+    ("high", Priority::HIGH),
     ("normal", Priority::NORMAL),
     ("lowest", Priority::LOWEST),
 ];
