@@ -1855,6 +1855,7 @@ impl<T> Drop for Inner<T> {
                 // its destructors on the wrong thread.
                 let _ = ManuallyDrop::new(coro);
                 crate::report::note_leaked_stack();
+                crate::report::warn_suspended_fiber_leaked(&self.header);
             }
         }
         if let Some(stack) = slot.stack.take() {

@@ -1,7 +1,9 @@
 //! Reports that name the fiber: panic messages, leaked stacks.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Once;
+
+use crate::header::Header;
 
 static LEAKED: AtomicU64 = AtomicU64::new(0);
 
@@ -10,11 +12,41 @@ pub(crate) fn note_leaked_stack() {
     LEAKED.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Says, once per process, that a suspended fiber's last handle went where
+/// it could not be unwound, so its stack was leaked: silent, the mistake
+/// (dropping a pinned fiber on another thread) shows only as memory that
+/// grows and destructors that never run.
+pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if WARNED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    if cfg!(panic = "unwind") {
+        warn!(
+            "spindle-fiber: fiber {} was dropped while suspended, on another thread than the one it is \
+             pinned to: its stack is leaked and the destructors of its locals never run. Drop a \
+             suspended pinned fiber on its own thread, let its function finish first, or give it \
+             its function with set_function_migratable. (Said once; leaked_stacks() counts every \
+             leak.)",
+            h.display_name()
+        );
+    } else {
+        warn!(
+            "spindle-fiber: fiber {} was dropped while suspended, and a build with panic = \"abort\" \
+             cannot unwind its stack: it is leaked and the destructors of its locals never run. Let \
+             fibers finish before dropping them. (Said once; leaked_stacks() counts every leak.)",
+            h.display_name()
+        );
+    }
+}
+
 /// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
 /// dropped on another thread than the one it ran on (its locals could not
 /// be safely dropped there), a forced unwind that did not finish (it
 /// panicked, or suspended into a function that is over), and a closure
-/// that never ran whose drop panicked.
+/// that never ran whose drop panicked. The first suspended fiber leaked
+/// for want of a place to unwind it (the first case, or a build with
+/// `panic = "abort"`) is also reported on stderr, once per process.
 pub fn leaked_stacks() -> u64 {
     LEAKED.load(Ordering::Relaxed)
 }

@@ -452,3 +452,43 @@ fn a_refused_run_inside_a_fiber_leaves_that_fiber_current() {
         assert_eq!(pinned.run().unwrap().unwrap_returned(), 2);
     });
 }
+
+const LEAK_WARNING_CHILD: &str = "a_leaked_suspended_fiber_is_reported_once";
+
+/// Leaking a suspended pinned fiber's stack (its last handle dropped on
+/// another thread) says so on stderr, naming the fiber and what to do,
+/// once per process: the mistake is otherwise silent. Checked in a child
+/// process, whose stderr the test reads (and which has not warned yet).
+#[test]
+fn a_leaked_suspended_fiber_is_reported_once() {
+    if common::is_child(LEAK_WARNING_CHILD) {
+        for name in ["first-leak", "second-leak"] {
+            let fiber = thread::spawn(move || {
+                let fiber = Fiber::<()>::new(FiberAttr::new().name(name)).unwrap();
+                fiber.set_function(Priority::NORMAL, || yield_value(1)).unwrap();
+                assert!(matches!(fiber.run().unwrap(), RunOutcome::Yielded(1)));
+                fiber
+            })
+            .join()
+            .unwrap();
+            drop(fiber);
+        }
+        eprintln!("child leaked: {}", leaked_stacks());
+        return;
+    }
+    let out = common::run_child(LEAK_WARNING_CHILD, 60);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}", common::describe(&out));
+    assert!(stderr.contains("child leaked: 2"), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("spindle-fiber:"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning for two leaks: {stderr}");
+    let w = warnings[0];
+    assert!(w.contains("'first-leak'") && w.contains("leaked"), "{w}");
+    assert!(
+        w.contains("own thread") && w.contains("set_function_migratable"),
+        "{w}"
+    );
+}
