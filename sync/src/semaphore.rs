@@ -250,6 +250,24 @@ impl Semaphore {
                 }
             }
         }
+        if n == 1 {
+            // The common case, without the batch: one token cannot be
+            // withheld from a destructor that its own wake runs.
+            let mut synced = self.synced.lock();
+            if synced.waiters.is_empty() {
+                synced.tokens = add_tokens(synced.tokens, 1, n);
+                return;
+            }
+            if synced.tokens == 0 {
+                let wakeup = synced.waiters.pop_front(ptr::null_mut());
+                drop(synced);
+                if let Some(wakeup) = wakeup {
+                    wakeup.deliver();
+                }
+                return;
+            }
+            // Tokens counted while waiters slept: the loop below.
+        }
         let mut rest = Rest { sem: self, left: n };
         while rest.left > 0 {
             // Declared before the guard, so dropped after it: the wakes
@@ -272,15 +290,7 @@ impl Semaphore {
                     }
                     None => {
                         let left = std::mem::take(&mut rest.left);
-                        // Checked in every build: a wrapped count would hand
-                        // out tokens that were never released.
-                        let available = synced.tokens;
-                        synced.tokens = available.checked_add(left).unwrap_or_else(|| {
-                            panic!(
-                                "spindle-sync: Semaphore::release({n}) overflows the token count \
-                                 ({available} available): release only tokens that were acquired"
-                            )
-                        });
+                        synced.tokens = add_tokens(synced.tokens, left, n);
                     }
                 }
             }
@@ -298,6 +308,18 @@ impl Semaphore {
     pub fn waiters(&self) -> usize {
         self.synced.lock().waiters.len()
     }
+}
+
+/// `available + left`, checked in every build: a wrapped count would hand
+/// out tokens that were never released. `n` is the release's argument,
+/// for the message.
+fn add_tokens(available: usize, left: usize, n: usize) -> usize {
+    available.checked_add(left).unwrap_or_else(|| {
+        panic!(
+            "spindle-sync: Semaphore::release({n}) overflows the token count ({available} \
+             available): release only tokens that were acquired"
+        )
+    })
 }
 
 /// Wakeups taken under one hold of the lock (at most 8: no allocation),
