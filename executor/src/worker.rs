@@ -680,9 +680,14 @@ impl Worker {
             // later wakes of it are refused. (Not the sleeping ones: one of
             // them may sit in the inbox, queued, by now; asleep, the
             // closed inbox refuses them.)
-            for fiber in &fibers {
-                let _ = fiber.abandon();
-            }
+            // In a scope: a fiber released inside an abandon (one woken for
+            // the value an abandoned fiber hands on, and refused) is unwound
+            // only once every fiber here is let go of.
+            spindle_fiber::defer_releases(|| {
+                for fiber in &fibers {
+                    let _ = fiber.abandon();
+                }
+            });
             fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
             if fibers.is_empty() {
                 // Jobs queued in the last instant are dropped before this

@@ -20,6 +20,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::defer::defer_releases;
 use crate::fiber::Yielder;
 use crate::header::{FiberId, Header, WaitReason};
 use crate::state::{FiberState, WakeTransition};
@@ -448,7 +449,9 @@ impl Waiter {
     /// Wakes the fiber (waker step 3 of the protocol). Never blocks on
     /// another thread, allocates nothing itself (the scheduler it hands the
     /// fiber to may: `spindle-run-queue` grows a priority level's buffer on
-    /// its first use), never panics. A wake that finds the
+    /// its first use; and a refused wake, once a scheduler has shut down,
+    /// may grow this thread's list of deferred releases the first times,
+    /// see [`defer_releases`](crate::defer_releases)), never panics. A wake that finds the
     /// fiber neither sleeping nor running (it was queued or made ready by
     /// another wake, or finished) is void. A stale waiter (a second waiter
     /// of one sleep, or one kept after the fiber moved on) that finds it
@@ -645,14 +648,26 @@ impl Drop for RefusedWake {
     #[cold]
     #[inline(never)]
     fn drop(&mut self) {
-        // Let go and wake whoever the value went on to before releasing
-        // the reference: its release may unwind the fiber here, and a
-        // destructor on its stack may wait for that very value (found in
-        // review: it waited for a wake this drop had not made yet).
+        /// Drops the refusal's reference when the chain is woken, or if a
+        /// wake in it panics.
+        struct Release(NonNull<Header>);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                // SAFETY: the refusal's reference, given up once, here.
+                unsafe { (self.0.as_ref().vtable.release)(self.0) };
+            }
+        }
+        // Let go and wake whoever the value went on to before the fiber
+        // is released: a last reference's release unwinds the fiber here,
+        // and a destructor on its stack may wait for that very value
+        // (found in review: it waited for a wake this drop had not made
+        // yet). Inside the scope, every release waits for the chain.
         let next = self.take_back();
-        wake_handing_over(next);
-        // SAFETY: we own a reference; the header is not touched again.
-        unsafe { (self.header.as_ref().vtable.release)(self.header) };
+        let release = Release(self.header);
+        defer_releases(move || {
+            let _release = release;
+            wake_handing_over(next);
+        });
     }
 }
 
@@ -693,23 +708,22 @@ impl std::fmt::Display for RefusedWake {
 impl std::error::Error for RefusedWake {}
 
 /// Wakes `next` for a value handed to it, and whoever the value goes on to
-/// after each refusal, in a loop; the refused fibers are released only
-/// once the last waiter is woken (see [`RefusedWake::take_back`]). The
-/// list allocates only if a wake is refused, which happens only once a
-/// scheduler has shut down.
+/// after each refusal, in a loop; fibers whose last reference goes meanwhile
+/// (a refused one, a woken one nobody holds) are released only once the
+/// last waiter is woken ([`defer_releases`]).
 pub(crate) fn wake_handing_over(mut next: Option<Waiter>) {
-    let mut refused: Vec<RefusedWake> = Vec::new();
-    while let Some(w) = next {
-        next = match w.try_wake() {
-            Ok(()) => None,
-            Err(mut r) => {
-                let n = r.take_back();
-                refused.push(r);
-                n
-            }
-        };
+    if next.is_none() {
+        return;
     }
-    drop(refused);
+    defer_releases(|| {
+        while let Some(w) = next.take() {
+            next = match w.try_wake() {
+                Ok(()) => None,
+                // Dropped here, its release deferred to the scope's end.
+                Err(mut r) => r.take_back(),
+            };
+        }
+    });
 }
 
 /// Lets go of a held fiber whose home refused it (or that is marked

@@ -1696,6 +1696,32 @@ unsafe fn release<T>(ptr: NonNull<Inner<T>>) {
     // Pairs with the Release decrements of every other dropper: what they
     // did to the fiber happens before what we do now.
     std::sync::atomic::fence(Ordering::Acquire);
+    // Inside `defer_releases` on this thread: the rest waits for the end
+    // of the scope (nobody can reach the fiber meanwhile: no reference is
+    // left, and none can be made).
+    if crate::defer::defer_last(ptr.cast(), release_last_erased::<T>) {
+        return;
+    }
+    // SAFETY: the count was one, and it is ours now.
+    unsafe { release_last(ptr) }
+}
+
+/// [`release_last`] for a deferred release.
+///
+/// # Safety
+/// As `release_last`, for the `Inner<T>` whose header `h` is.
+unsafe fn release_last_erased<T>(h: NonNull<Header>) {
+    // SAFETY: the caller's contract.
+    unsafe { release_last::<T>(h.cast()) }
+}
+
+/// The last reference's part of [`release`]: unwinds a suspended fiber
+/// (or leaks its stack) and frees it.
+///
+/// # Safety
+/// The count of the live `Inner` at `ptr` went from one to zero, and the
+/// caller is the one who saw it (and fenced).
+unsafe fn release_last<T>(ptr: NonNull<Inner<T>>) {
     // SAFETY: the count was one: nobody else holds or can make a reference
     // (there are no weak ones), so the slot is ours.
     let inner = unsafe { ptr.as_ref() };

@@ -82,6 +82,7 @@ macro_rules! warn {
 }
 
 mod current;
+mod defer;
 mod error;
 mod fiber;
 mod header;
@@ -96,6 +97,7 @@ pub use current::{
     current, current_id, current_sched_data, in_fiber, may_sleep, set_current_priority, sleep, sleep_on,
     take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, WaitHook, WaitToken, Waiter,
 };
+pub use defer::defer_releases;
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule, Woken};
 pub use header::{FiberId, FiberIdHasher, FiberStats, Priority, WaitReason};

@@ -791,14 +791,19 @@ impl<T> Drop for RunQueue<T> {
             all.extend(synced.elsewhere.drain(..).map(|(f, _)| f));
             all
         };
-        // Every fiber is abandoned before any is dropped: a dropped fiber
-        // may be unwound here, and a destructor on its stack may wait for
-        // a token or message that abandoning a later one hands on (found
-        // in review: it waited for ever).
-        for f in &drained {
-            let _ = f.abandon();
-        }
-        drop(drained);
+        // Every fiber is abandoned before any is released: a released
+        // fiber may be unwound here, and a destructor on its stack may
+        // wait for a token or message that abandoning a later one hands on
+        // (found in review: it waited for ever). That includes fibers
+        // released inside an abandon (a sleeper whose wake this queue
+        // refuses, handed a value by the abandoned one): the scope defers
+        // them too.
+        spindle_fiber::defer_releases(|| {
+            for f in &drained {
+                let _ = f.abandon();
+            }
+            drop(drained);
+        });
     }
 }
 

@@ -220,22 +220,34 @@ impl Semaphore {
 
     /// Adds `n` tokens, handing them to waiters first, in FIFO order.
     ///
-    /// Up to 8 tokens are handed out (and, once no waiter is left, the rest
-    /// added to the count) under one hold of the lock, before any waiter is
-    /// woken: a wake may run destructors here (a refused fiber whose last
-    /// reference goes), and one that waits for a token of this same release
-    /// finds it handed or counted already. A release of more than 8 tokens
-    /// to more than 8 waiters does that 8 at a time.
+    /// A wake can drop a fiber's last reference (a fiber run by hand and
+    /// dropped while it slept, or one whose scheduler has shut down), and
+    /// its stack is then unwound on this thread. With more than one token
+    /// that happens only once every token is handed out or counted
+    /// ([`defer_releases`](spindle_fiber::defer_releases)), so a
+    /// destructor there that acquires from this semaphore finds its token.
     ///
     /// # Panics
     /// If the count of available tokens would pass `usize::MAX` (the
-    /// tokens handed to waiters before that stay handed, and they are
-    /// woken). A wake whose
+    /// tokens handed to waiters before that stay handed). A wake whose
     /// scheduler panics (`Schedule::schedule` must not) unwinds out of
-    /// `release` after the rest of its batch is woken; the tokens not
-    /// handed out by then are added to the count rather than lost, and the
-    /// next `release` hands them to the waiters still asleep, with its own.
+    /// `release`; the tokens not handed out by then are added to the count
+    /// rather than lost, and the next `release` hands them to the waiters
+    /// still asleep, with its own.
     pub fn release(&self, n: usize) {
+        if n > 1 {
+            // Found in review: `release(2)` whose first wake unwound a
+            // fiber, whose destructor acquired here, waited for the second
+            // token, still in this frame. (One token cannot be withheld
+            // from its own wake, so `release(1)` needs no scope.)
+            spindle_fiber::defer_releases(|| self.release_each(n));
+        } else {
+            self.release_each(n);
+        }
+    }
+
+    /// `release`, one waiter per lock hold.
+    fn release_each(&self, n: usize) {
         /// The tokens not handed out yet: counted as available if a wake
         /// unwinds.
         struct Rest<'a> {
@@ -250,52 +262,36 @@ impl Semaphore {
                 }
             }
         }
-        if n == 1 {
-            // The common case, without the batch: one token cannot be
-            // withheld from a destructor that its own wake runs.
-            let mut synced = self.synced.lock();
-            if synced.waiters.is_empty() {
-                synced.tokens = add_tokens(synced.tokens, 1, n);
-                return;
-            }
-            if synced.tokens == 0 {
-                let wakeup = synced.waiters.pop_front(ptr::null_mut());
-                drop(synced);
-                if let Some(wakeup) = wakeup {
-                    wakeup.deliver();
-                }
-                return;
-            }
-            // Tokens counted while waiters slept: the loop below.
-        }
         let mut rest = Rest { sem: self, left: n };
         while rest.left > 0 {
-            // Declared before the guard, so dropped after it: the wakes
-            // run without the lock, and on every way out (each one's token
-            // is handed already).
-            let mut batch = Wakeups::new();
             let mut synced = self.synced.lock();
-            // Tokens counted while waiters slept (left by a wake that
-            // panicked) go to the waiters too.
-            if synced.tokens > 0 && !synced.waiters.is_empty() {
-                rest.left = rest.left.saturating_add(std::mem::take(&mut synced.tokens));
-            }
-            while rest.left > 0 && !batch.is_full() {
-                match synced.waiters.pop_front(ptr::null_mut()) {
+            match synced.waiters.pop_front(ptr::null_mut()) {
+                Some(wakeup) => {
+                    // Tokens counted while waiters slept (left by a wake
+                    // that panicked) go to the waiters too.
+                    if synced.tokens > 0 {
+                        rest.left = rest.left.saturating_add(std::mem::take(&mut synced.tokens));
+                    }
+                    drop(synced);
                     // Handed to that waiter, whatever its wake does (a
                     // refused one gives it on: `Synced::give_back`).
-                    Some(wakeup) => {
-                        rest.left -= 1;
-                        batch.push(wakeup);
-                    }
-                    None => {
-                        let left = std::mem::take(&mut rest.left);
-                        synced.tokens = add_tokens(synced.tokens, left, n);
-                    }
+                    rest.left -= 1;
+                    wakeup.deliver();
+                }
+                None => {
+                    let left = std::mem::take(&mut rest.left);
+                    // Checked in every build: a wrapped count would hand
+                    // out tokens that were never released.
+                    let available = synced.tokens;
+                    synced.tokens = available.checked_add(left).unwrap_or_else(|| {
+                        panic!(
+                            "spindle-sync: Semaphore::release({n}) overflows the token count ({available} \
+                             available): release only tokens that were acquired"
+                        )
+                    });
+                    return;
                 }
             }
-            drop(synced);
-            drop(batch);
         }
     }
 
@@ -307,68 +303,6 @@ impl Semaphore {
     /// Fibers and threads waiting now.
     pub fn waiters(&self) -> usize {
         self.synced.lock().waiters.len()
-    }
-}
-
-/// `available + left`, checked in every build: a wrapped count would hand
-/// out tokens that were never released. `n` is the release's argument,
-/// for the message.
-fn add_tokens(available: usize, left: usize, n: usize) -> usize {
-    available.checked_add(left).unwrap_or_else(|| {
-        panic!(
-            "spindle-sync: Semaphore::release({n}) overflows the token count ({available} \
-             available): release only tokens that were acquired"
-        )
-    })
-}
-
-/// Wakeups taken under one hold of the lock (at most 8: no allocation),
-/// delivered in order when dropped, after the lock is released; on an
-/// unwind too, since each one's token is handed already.
-struct Wakeups {
-    slots: [Option<Wakeup>; 8],
-    len: usize,
-    /// The first not delivered yet.
-    next: usize,
-}
-
-impl Wakeups {
-    fn new() -> Wakeups {
-        Wakeups { slots: Default::default(), len: 0, next: 0 }
-    }
-
-    fn is_full(&self) -> bool {
-        self.len == self.slots.len()
-    }
-
-    fn push(&mut self, wakeup: Wakeup) {
-        self.slots[self.len] = Some(wakeup);
-        self.len += 1;
-    }
-
-    fn deliver_rest(&mut self) {
-        while self.next < self.len {
-            let wakeup = self.slots[self.next].take();
-            self.next += 1;
-            if let Some(wakeup) = wakeup {
-                wakeup.deliver();
-            }
-        }
-    }
-}
-
-impl Drop for Wakeups {
-    fn drop(&mut self) {
-        /// Delivers the rest if a wake panics (a scheduler that breaks
-        /// `Schedule::schedule`'s contract), so that no waiter is left
-        /// asleep with its token.
-        struct Finish<'a>(&'a mut Wakeups);
-        impl Drop for Finish<'_> {
-            fn drop(&mut self) {
-                self.0.deliver_rest();
-            }
-        }
-        Finish(self).0.deliver_rest();
     }
 }
 

@@ -773,3 +773,126 @@ fn a_release_hands_out_its_tokens_before_a_wake_runs_destructors() {
         assert_eq!(sem.available(), 0);
     });
 }
+
+/// Acquires `n` tokens of its semaphore when dropped.
+struct AcquiresOnDrop(Arc<Semaphore>, usize);
+
+impl Drop for AcquiresOnDrop {
+    fn drop(&mut self) {
+        for _ in 0..self.1 {
+            self.0.acquire();
+        }
+    }
+}
+
+/// A release of many tokens to a homeless fiber first (run by hand and
+/// dropped while it slept: its wait node holds its last reference) and
+/// threads behind it: the fiber's destructor, unwound by its wake, acquires
+/// from the same semaphore, and finds its tokens handed out or counted
+/// whatever the number of waiters. (Found in review: with the tokens handed
+/// out eight at a time, nine waiters or eight with tokens to spare left the
+/// release waiting for itself.)
+#[test]
+fn a_release_to_many_waiters_unwinds_a_woken_fiber_only_after_handing_out_every_token() {
+    watchdog(
+        "a_release_to_many_waiters_unwinds_a_woken_fiber_only_after_handing_out_every_token",
+        60,
+        |stage| {
+            // (threads behind the fiber, tokens released, tokens its destructor takes)
+            for (threads, n, takes) in [(1, 2, 1), (8, 10, 1), (7, 10, 2), (20, 22, 1)] {
+                stage.set(format!(
+                    "release({n}) to a fiber and {threads} threads, the destructor takes {takes}"
+                ));
+                let sem = Arc::new(Semaphore::new(0));
+                let f = Fiber::<()>::new(spindle_fiber::FiberAttr::new().stack_size(64 * 1024)).unwrap();
+                let (s, d) = (sem.clone(), AcquiresOnDrop(sem.clone(), takes));
+                // SAFETY: only `Arc`s live across the suspension.
+                unsafe {
+                    f.set_function_migratable(Priority::NORMAL, move || {
+                        let _d = d;
+                        s.acquire();
+                    })
+                }
+                .unwrap();
+                assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+                drop(f);
+                let waiting: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let s = sem.clone();
+                        std::thread::spawn(move || s.acquire())
+                    })
+                    .collect();
+                spin_until(|| sem.waiters() == threads + 1);
+                sem.release(n);
+                for t in waiting {
+                    t.join().unwrap();
+                }
+                // The fiber's own token came back to the count when it
+                // unwound, and its destructor took from the count.
+                assert_eq!(sem.available(), n - threads - takes, "release({n}), {threads} threads");
+            }
+        },
+    );
+}
+
+/// A wake that drops a homeless fiber's last reference, first of two: the
+/// fiber is unwound only after the second waiter, a thread its destructor
+/// waits for, has been woken. (Found in review of a version that handed
+/// the tokens out in a batch and then woke the batch in order: the first
+/// wake unwound the fiber before the thread was woken, and the release
+/// never returned. Handing out one token per wake, the unwinding fiber's
+/// own token goes on to the thread, which is why this passes without the
+/// deferral too.)
+#[test]
+fn a_woken_fiber_is_unwound_only_after_the_rest_of_the_release_is_woken() {
+    watchdog("a_woken_fiber_is_unwound_only_after_the_rest_of_the_release_is_woken", 30, |stage| {
+        let (sem, gate) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+        let s = sem.clone();
+        let f = migratable_waiting_on_drop(Priority::NORMAL, &gate, move || s.acquire());
+        assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+        drop(f);
+        let (s, g) = (sem.clone(), gate.clone());
+        let thread = std::thread::spawn(move || {
+            s.acquire();
+            g.release(1);
+        });
+        spin_until(|| sem.waiters() == 2);
+        stage.set("release(2): the fiber's destructor waits for the thread woken second");
+        sem.release(2);
+        thread.join().unwrap();
+        // The fiber's token came back when it unwound; the thread's gate
+        // token went to the destructor.
+        assert_eq!((sem.available(), gate.available()), (1, 0));
+    });
+}
+
+/// A queue's drop abandons A, whose token goes on to C, asleep on the same
+/// semaphore with this queue as its home and no handle but its wait node's:
+/// the queue refuses C's wake, and C is released inside A's abandon. It is
+/// unwound only after D, still to be abandoned, has handed its token on,
+/// which C's destructor waits for. (Found in review: C was unwound inside
+/// A's abandon and waited for D's token for ever.)
+#[test]
+fn a_sleeper_released_inside_an_abandon_waits_for_every_abandon() {
+    watchdog("a_sleeper_released_inside_an_abandon_waits_for_every_abandon", 30, |stage| {
+        let (s1, s2) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+        let q = RunQueue::new(4);
+        let s = s1.clone();
+        q.try_push(fiber(Priority(200), move || s.acquire())).unwrap(); // A
+        let s = s1.clone();
+        q.try_push(migratable_waiting_on_drop(Priority(150), &s2, move || s.acquire())).unwrap(); // C
+        let s = s2.clone();
+        q.try_push(fiber(Priority(100), move || s.acquire())).unwrap(); // D
+        while let Some(ran) = q.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        assert_eq!((s1.waiters(), s2.waiters()), (2, 1));
+        s1.release(1); // to A, back in the queue
+        s2.release(1); // to D, back in the queue
+        assert_eq!(q.len(), 2);
+        stage.set("dropping the queue: C's destructor waits for the token D's abandon hands on");
+        drop(q);
+        // A's token went to C and back (C unwound); D's to C's destructor.
+        assert_eq!((s1.available(), s2.available()), (1, 0));
+    });
+}

@@ -1,0 +1,141 @@
+//! Deferred releases: while [`defer_releases`] runs on a thread, a fiber
+//! whose last reference is dropped there is not unwound or freed at once;
+//! the thread does it when the scope ends, in the order they came.
+//!
+//! Dropping a fiber's last reference can run arbitrary code: a suspended
+//! fiber's stack is unwound there and then, and its destructors may wait
+//! for something. A waker that wakes several fibers, or a scheduler that
+//! lets go of several, can drop such a reference in the middle of its
+//! work; a destructor that waits for what the rest of that work hands out
+//! then waits for ever (found in review, three times: a semaphore's
+//! `release(n)`, a run queue's drop, a chain of refused wakes). Inside a
+//! scope, the work finishes first.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+
+use crate::header::Header;
+
+/// A release deferred: the fiber's header and what finishes its release.
+type Deferred = (NonNull<Header>, unsafe fn(NonNull<Header>));
+
+/// This thread's scopes: how deep, and what waits for the outermost end.
+/// The list keeps its capacity, so a thread allocates for it only the
+/// first times it grows.
+struct Scopes {
+    depth: Cell<usize>,
+    deferred: RefCell<VecDeque<Deferred>>,
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static SCOPES: Scopes = const { Scopes { depth: Cell::new(0), deferred: RefCell::new(VecDeque::new()) } };
+}
+
+// Under loom, each model thread has its own (loom runs them all on one OS
+// thread).
+#[cfg(loom)]
+loom::thread_local! {
+    static SCOPES: Scopes = Scopes { depth: Cell::new(0), deferred: RefCell::new(VecDeque::new()) };
+}
+
+/// Runs `f`; a fiber whose last reference is dropped on this thread while
+/// `f` runs is released (its suspended stack unwound, its memory freed)
+/// only after `f` has returned or unwound, in the order the references
+/// were dropped. Scopes nest: the outermost one releases.
+///
+/// For code that wakes or lets go of several fibers in a row (a
+/// synchronisation primitive's release of many tokens, a scheduler that
+/// shuts down): a wake can drop a fiber's last reference, and its
+/// destructors, run there, may wait for what the rest of the loop hands
+/// out. Inside a scope they run once everything is handed out.
+///
+/// `f` must not suspend the calling fiber (yield, sleep, or wait on a
+/// primitive): the scope belongs to the thread, so a fiber that suspends
+/// inside it leaves the thread deferring its releases until the fiber
+/// comes back, and if the fiber comes back on another thread the first
+/// thread's releases wait until that thread exits (the fibers leak), and
+/// the second thread's scope count is not touched. Nothing is unsound
+/// either way; releases are only late.
+///
+/// ```
+/// use spindle_fiber::{defer_releases, yield_now, Fiber, FiberAttr, Priority};
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+///
+/// struct SetOnDrop(Arc<AtomicBool>);
+/// impl Drop for SetOnDrop {
+///     fn drop(&mut self) { self.0.store(true, Ordering::SeqCst) }
+/// }
+///
+/// let dropped = Arc::new(AtomicBool::new(false));
+/// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+/// let d = SetOnDrop(dropped.clone());
+/// fiber.set_function(Priority::NORMAL, move || { let _d = d; yield_now() }).unwrap();
+/// fiber.run().unwrap();
+/// defer_releases(|| {
+///     drop(fiber); // the last reference: its stack would be unwound here
+///     assert!(!dropped.load(Ordering::SeqCst));
+/// });
+/// assert!(dropped.load(Ordering::SeqCst)); // unwound when the scope ended
+/// ```
+pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
+    /// Ends the scope, on return or unwind.
+    struct End {
+        thread: u64,
+    }
+    impl Drop for End {
+        fn drop(&mut self) {
+            if crate::tls::thread_id_word() != self.thread {
+                // `f` suspended and came back elsewhere: this thread's
+                // count is not ours to lower (see above).
+                return;
+            }
+            let outermost = SCOPES.try_with(|s| {
+                let depth = s.depth.get() - 1;
+                s.depth.set(depth);
+                depth == 0
+            });
+            if matches!(outermost, Ok(true)) {
+                release_deferred();
+            }
+        }
+    }
+    let thread = crate::current::thread_id();
+    let entered = SCOPES.try_with(|s| s.depth.set(s.depth.get() + 1)).is_ok();
+    let _end = entered.then_some(End { thread });
+    f()
+}
+
+/// Releases what the outermost scope deferred, one at a time (a release
+/// may defer more, under a scope of its own, or add to this list if one
+/// opens meanwhile: they are released here too).
+fn release_deferred() {
+    loop {
+        let next = SCOPES
+            .try_with(|s| s.deferred.borrow_mut().pop_front())
+            .ok()
+            .flatten();
+        let Some((h, finish)) = next else { return };
+        // SAFETY: `defer_last` took the last reference's place for it.
+        unsafe { finish(h) };
+    }
+}
+
+/// Called by `release` on the last reference: keeps it for the end of the
+/// scope if one is open on this thread (true), else false (release now).
+///
+/// Whoever calls this with `true` returned has handed over the last
+/// reference's work: `finish(h)` runs it later, on this thread.
+pub(crate) fn defer_last(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) -> bool {
+    SCOPES
+        .try_with(|s| {
+            if s.depth.get() == 0 {
+                return false;
+            }
+            s.deferred.borrow_mut().push_back((h, finish));
+            true
+        })
+        .unwrap_or(false)
+}
