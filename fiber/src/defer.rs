@@ -54,10 +54,12 @@ loom::thread_local! {
 /// `f` must not suspend the calling fiber (yield, sleep, or wait on a
 /// primitive): the scope belongs to the thread, so a fiber that suspends
 /// inside it leaves the thread deferring its releases until the fiber
-/// comes back, and if the fiber comes back on another thread the first
-/// thread's releases wait until that thread exits (the fibers leak), and
-/// the second thread's scope count is not touched. Nothing is unsound
-/// either way; releases are only late.
+/// comes back. If the fiber comes back on another thread, the first
+/// thread's scope count stays raised for good: every fiber whose last
+/// reference is dropped there from then on is deferred and never unwound
+/// or freed (leaked, also when the thread exits); the second thread's
+/// scope count is not touched. Nothing is unsound either way; releases
+/// are late, or leak.
 ///
 /// ```
 /// use spindle_fiber::{defer_releases, yield_now, Fiber, FiberAttr, Priority};

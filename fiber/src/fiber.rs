@@ -1398,11 +1398,12 @@ impl<T> Fiber<T> {
     /// still run it (it waits again).
     ///
     /// `spindle-run-queue` calls this for the fibers left in a queue whose
-    /// last handle goes, and `spindle-executor` for those its workers
-    /// still hold at shutdown; both abandon every fiber they hold before
-    /// they drop any, since a dropped fiber may be unwound there and then,
-    /// and a destructor on its stack may wait for what abandoning another
-    /// hands on. Call it only on fibers the scheduler lets go
+    /// last handle goes, and `spindle-executor` for the woken fibers its
+    /// workers still hold at shutdown (not the sleeping ones, whose wakes
+    /// its closed inboxes refuse); both abandon all of those before they
+    /// drop any, inside [`defer_releases`](crate::defer_releases), since a
+    /// released fiber may be unwound there and then, and a destructor on
+    /// its stack may wait for what abandoning another hands on. Call it only on fibers the scheduler lets go
     /// of for good. Called on a fiber that is still in a live queue, it
     /// leaves it there (as [`mark_dequeued`](Fiber::mark_dequeued) would),
     /// and its next requeue or accepted wake clears the mark; until then a

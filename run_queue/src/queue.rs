@@ -2,7 +2,8 @@
 //!
 //! # Parking protocol (no lost wakeups)
 //!
-//! Poppers that find the queue empty may park in [`RunQueue::pop_timeout`].
+//! Poppers that find the queue empty may park in [`RunQueue::pop`] or
+//! [`RunQueue::pop_timeout`].
 //! All queue state, including the count of parked poppers, lives in
 //! [`Synced`] behind one mutex.
 //!
@@ -21,7 +22,7 @@
 //!    skipped notify loses no wakeup.)
 //!
 //! A push either happens before the popper's step 1 (the popper sees the
-//! fiber) or after its step 2 registered it (the pusher sees `sleepers > 0`
+//! fiber) or after its step 3 registered it (the pusher sees `sleepers > 0`
 //! and notifies, if the popper may run the fiber). Both read and write `sleepers` under the lock, so there is
 //! no third order.
 //!
@@ -457,8 +458,9 @@ impl<T: Send + 'static> RunQueue<T> {
     /// Close the queue only once no fiber can come back to it: a fiber
     /// still running, or asleep on a primitive, returns here when it
     /// yields or is woken, and a worker that has stopped will not run it.
-    /// (In the example the fiber's send is its last suspension-free step:
-    /// after it the function returns without coming back to the queue.)
+    /// (In the example the send is the fiber's last step: nothing after it
+    /// suspends, so once the main thread has received, the fiber can only
+    /// return.)
     pub fn pop(&self) -> Option<Fiber<T>> {
         self.pop_timeout(Duration::MAX)
     }

@@ -427,7 +427,8 @@ fn set_aside_wakes_every_parked_popper() {
 }
 
 /// Two poppers waiting without a deadline (`pop`) and a close: each may
-/// park before, during or after it, and each must return `None` (popper
+/// reach the queue before or after it (and park, if before), and each
+/// must return `None` (popper
 /// step 2 against closer steps 1-2). A missed notification leaves one
 /// parked forever, which loom reports as a deadlock.
 #[test]

@@ -235,15 +235,31 @@ impl Semaphore {
     /// rather than lost, and the next `release` hands them to the waiters
     /// still asleep, with its own.
     pub fn release(&self, n: usize) {
-        if n > 1 {
-            // Found in review: `release(2)` whose first wake unwound a
-            // fiber, whose destructor acquired here, waited for the second
-            // token, still in this frame. (One token cannot be withheld
-            // from its own wake, so `release(1)` needs no scope.)
-            spindle_fiber::defer_releases(|| self.release_each(n));
-        } else {
-            self.release_each(n);
+        if n == 1 {
+            // One token to one waiter (the common case) cannot be withheld
+            // from that waiter's own wake: no scope.
+            let mut synced = self.synced.lock();
+            if synced.waiters.is_empty() {
+                let available = synced.tokens;
+                synced.tokens = available.checked_add(1).unwrap_or_else(|| overflow(n, available));
+                return;
+            }
+            if synced.tokens == 0 {
+                let wakeup = synced.waiters.pop_front(ptr::null_mut());
+                drop(synced);
+                if let Some(wakeup) = wakeup {
+                    wakeup.deliver();
+                }
+                return;
+            }
+            // Tokens a panicking wake left counted while waiters slept ride
+            // along: several wakes, so the scope below.
         }
+        // Found in review: `release(2)` whose first wake unwound a fiber,
+        // whose destructor acquired here, waited for the second token,
+        // still in this frame. In the scope the unwind waits until every
+        // token is placed.
+        spindle_fiber::defer_releases(|| self.release_each(n));
     }
 
     /// `release`, one waiter per lock hold.
@@ -283,12 +299,7 @@ impl Semaphore {
                     // Checked in every build: a wrapped count would hand
                     // out tokens that were never released.
                     let available = synced.tokens;
-                    synced.tokens = available.checked_add(left).unwrap_or_else(|| {
-                        panic!(
-                            "spindle-sync: Semaphore::release({n}) overflows the token count ({available} \
-                             available): release only tokens that were acquired"
-                        )
-                    });
+                    synced.tokens = available.checked_add(left).unwrap_or_else(|| overflow(n, available));
                     return;
                 }
             }
@@ -304,6 +315,16 @@ impl Semaphore {
     pub fn waiters(&self) -> usize {
         self.synced.lock().waiters.len()
     }
+}
+
+/// `Semaphore::release(n)` would wrap the count of `available` tokens.
+#[cold]
+#[track_caller]
+fn overflow(n: usize, available: usize) -> ! {
+    panic!(
+        "spindle-sync: Semaphore::release({n}) overflows the token count ({available} available): release \
+         only tokens that were acquired"
+    )
 }
 
 impl Default for Semaphore {

@@ -749,9 +749,10 @@ fn a_dropped_queue_abandons_every_fiber_before_dropping_any() {
     });
 }
 
-/// `release(2)` hands both tokens out (or counts them) before it wakes
-/// anyone: the first wake drops a homeless fiber's last reference, and the
-/// destructor that unwinds there acquires a token of the same semaphore.
+/// `release(2)` places both tokens (with waiters or in the count) before a
+/// wake's unwinding runs destructors: the first wake drops a homeless
+/// fiber's last reference, and the destructor that unwinds there acquires
+/// a token of the same semaphore.
 /// (Found in review: the second token was still in `release`'s hands, and
 /// the release waited for itself.)
 #[test]

@@ -547,3 +547,68 @@ fn debug_into_a_writer_that_uses_the_semaphore_does_not_deadlock() {
         assert!(sink.1.contains("tokens: 2"), "{}", sink.1);
     });
 }
+
+/// `release(1)` that finds tokens a panicking wake left counted while
+/// waiters slept hands them out too, so it wakes several waiters: the
+/// first one's unwind (a homeless fiber dropped while it slept, whose
+/// destructor acquires here) waits until every token is placed, as for a
+/// `release(n)`. (Found in a documentation check: this `release(1)` ran
+/// without the deferral.)
+#[test]
+fn a_release_of_one_with_stranded_tokens_places_them_all_before_an_unwind() {
+    use spindle_fiber::Schedule;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    struct PanicsInSchedule;
+    impl Schedule<()> for PanicsInSchedule {
+        fn schedule<'w>(
+            &self,
+            _fiber: spindle_fiber::Woken<'w, ()>,
+        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+            panic!("schedule panics");
+        }
+    }
+    struct AcquiresOnDrop(Arc<Semaphore>);
+    impl Drop for AcquiresOnDrop {
+        fn drop(&mut self) {
+            self.0.acquire();
+        }
+    }
+    watchdog("a_release_of_one_with_stranded_tokens_places_them_all_before_an_unwind", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        // P: its wake panics, which strands a token in the count.
+        let home: Arc<dyn Schedule<()>> = Arc::new(PanicsInSchedule);
+        let p = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
+        let s = Arc::clone(&sem);
+        p.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
+        p.mark_queued(Some(&home)).unwrap();
+        p.mark_dequeued().unwrap();
+        assert!(matches!(p.run(), Ok(RunOutcome::Slept)));
+        // F: homeless, dropped while it sleeps; its destructor acquires.
+        let f = Fiber::<()>::new(spindle_fiber::FiberAttr::new().stack_size(64 * 1024)).unwrap();
+        let (s, d) = (Arc::clone(&sem), AcquiresOnDrop(Arc::clone(&sem)));
+        // SAFETY: only `Arc`s live across the suspension.
+        unsafe {
+            f.set_function_migratable(Priority::NORMAL, move || {
+                let _d = d;
+                s.acquire();
+            })
+        }
+        .unwrap();
+        assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+        drop(f);
+        // T: a thread behind them.
+        let s = Arc::clone(&sem);
+        let t = std::thread::spawn(move || s.acquire());
+        spin_until(|| sem.waiters() == 3);
+        assert!(catch_unwind(AssertUnwindSafe(|| sem.release(2))).is_err());
+        assert_eq!((sem.available(), sem.waiters()), (1, 2), "one token stranded, F and T asleep");
+        stage.set("release(1) with a stranded token: F's unwind must wait for T's token");
+        sem.release(1);
+        t.join().unwrap();
+        // F's token came back when it unwound, and its destructor took it.
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        drop(p);
+        assert_eq!(sem.available(), 1, "P's token is given back when it is dropped");
+    });
+}
