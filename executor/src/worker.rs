@@ -704,14 +704,20 @@ impl Worker {
             // dropped: a dropped fiber may be unwound here, and a destructor
             // of it that joins another task of the batch would otherwise
             // block this thread for good (that task is completed only by
-            // this loop).
-            for fiber in &fibers {
-                if fiber.sched_data() != 0 {
-                    let task = take_task(fiber);
-                    let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-                    self.complete(task, Some(err));
+            // this loop). In a scope: completing a task wakes its joiners,
+            // and a joiner nobody else holds (a fiber run by hand and
+            // dropped while it slept in the join) is released by that wake;
+            // its unwind waits too (found in review: it joined a task of the
+            // batch and the executor's drop hung).
+            spindle_fiber::defer_releases(|| {
+                for fiber in &fibers {
+                    if fiber.sched_data() != 0 {
+                        let task = take_task(fiber);
+                        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+                        self.complete(task, Some(err));
+                    }
                 }
-            }
+            });
             drop(fibers);
         }
         self.cache.clear();
@@ -720,6 +726,13 @@ impl Worker {
     /// Drops the jobs left in this worker's queues; returns whether there
     /// were any.
     fn drop_queued_jobs(&mut self) -> bool {
+        // Failing a job's join wakes its joiners: in a scope, as in
+        // `drain`, so that a joiner released by its wake is unwound only
+        // once every job here has failed.
+        spindle_fiber::defer_releases(|| self.drop_queued_jobs_now())
+    }
+
+    fn drop_queued_jobs_now(&mut self) -> bool {
         let mut any = false;
         for class in 0..CLASSES {
             while let Some(job) = self.ctx.locals[class].pop() {

@@ -840,3 +840,60 @@ fn no_worker_is_active_after_the_drop() {
         assert_eq!(stats.peak_workers, 3, "{stats:?}");
     });
 }
+
+/// Joins a task when dropped.
+struct JoinsOnDrop(Option<spindle_executor::JoinHandle<()>>);
+
+impl Drop for JoinsOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A fiber run by hand on a worker and dropped while it sleeps in a join:
+/// its wait holds its last reference, so the wake that completes the task
+/// it joins releases (unwinds) it, and its destructor joins `on_drop`.
+fn hand_run_joiner(joins: spindle_executor::JoinHandle<()>, on_drop: spindle_executor::JoinHandle<()>) {
+    let j = spindle_fiber::Fiber::<()>::new(spindle_fiber::FiberAttr::new().stack_size(64 * 1024)).unwrap();
+    j.set_function(spindle_fiber::Priority::NORMAL, move || {
+        let _g = JoinsOnDrop(Some(on_drop));
+        let _ = joins.join();
+    })
+    .unwrap();
+    assert!(matches!(j.run(), Ok(spindle_fiber::RunOutcome::Slept)));
+    drop(j);
+}
+
+/// The final drain completes the tasks asleep at shutdown one by one; a
+/// completion whose wake releases a joiner nobody else holds unwinds it
+/// only once the batch is completed, so its destructor's join of another
+/// task of the batch returns. (Found in review: it was unwound inside the
+/// first completion and waited for the second for ever; the executor's
+/// drop hung.) One pair of joiners per completion order.
+#[test]
+fn a_joiner_released_by_the_drain_joins_another_drained_task() {
+    watchdog("a_joiner_released_by_the_drain_joins_another_drained_task", 30, |stage| {
+        let exec = Executor::builder().workers(1).build();
+        let block = Arc::new(spindle_sync::Semaphore::new(0));
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let b = block.clone();
+                exec.spawn(move || b.acquire())
+            })
+            .collect();
+        wait_for(&stage, "the four tasks to sleep", || block.waiters() == 4);
+        let mut tasks = tasks.into_iter();
+        let (t1, t2, t3, t4) =
+            (tasks.next().unwrap(), tasks.next().unwrap(), tasks.next().unwrap(), tasks.next().unwrap());
+        exec.spawn(move || {
+            hand_run_joiner(t1, t2);
+            hand_run_joiner(t4, t3);
+        })
+        .join()
+        .unwrap();
+        stage.set("dropping the executor: the drain completes the four tasks");
+        drop(exec);
+    });
+}

@@ -43,7 +43,17 @@ loom::thread_local! {
 /// Runs `f`; a fiber whose last reference is dropped on this thread while
 /// `f` runs is released (its suspended stack unwound, its memory freed)
 /// only after `f` has returned or unwound, in the order the references
-/// were dropped. Scopes nest: the outermost one releases.
+/// were dropped. Scopes nest: the outermost one releases. A release may
+/// open a scope of its own (a destructor on the released fiber's stack
+/// that releases semaphore tokens, say): that one is outermost again, and
+/// releases what it deferred itself before the next fiber of the outer
+/// list is released.
+///
+/// If `f` panics, the deferred fibers are released while the thread
+/// unwinds, as fibers in a `Vec` dropped by the panic would be: a
+/// destructor on such a fiber's stack that suspends then aborts the process
+/// (see [`yield_value`](crate::yield_value)), where it would not have
+/// without the scope.
 ///
 /// For code that wakes or lets go of several fibers in a row (a
 /// synchronisation primitive's release of many tokens, a scheduler that
@@ -54,7 +64,9 @@ loom::thread_local! {
 /// `f` must not suspend the calling fiber (yield, sleep, or wait on a
 /// primitive): the scope belongs to the thread, so a fiber that suspends
 /// inside it leaves the thread deferring its releases until the fiber
-/// comes back. If the fiber comes back on another thread, the first
+/// comes back, and if it never does (dropped while suspended there: its
+/// own release is then deferred behind its own scope) the thread's scope
+/// count stays raised for good, as below. If the fiber comes back on another thread, the first
 /// thread's scope count stays raised for good: every fiber whose last
 /// reference is dropped there from then on is deferred and never unwound
 /// or freed (leaked, also when the thread exits); the second thread's
@@ -110,16 +122,37 @@ pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Releases what the outermost scope deferred, one at a time (a release
-/// may defer more, under a scope of its own, or add to this list if one
-/// opens meanwhile: they are released here too).
+/// Releases what the outermost scope deferred, in order. The list is taken
+/// out first: a release that opens a scope of its own (a destructor that
+/// releases semaphore tokens, say) ends that scope with only what it
+/// deferred itself, not the rest of this list, so releases do not nest on
+/// the stack however many there are (found in review: a thousand queued
+/// fibers whose captures released two tokens each overflowed the thread's
+/// stack, and one whose destructor waited for a later one's hung).
 fn release_deferred() {
-    loop {
-        let next = SCOPES
-            .try_with(|s| s.deferred.borrow_mut().pop_front())
-            .ok()
-            .flatten();
-        let Some((h, finish)) = next else { return };
+    /// The taken list: its rest is released if a release unwinds (as a
+    /// `Vec` of fibers dropped during a panic would be), and its memory
+    /// goes back to the thread for the next scope.
+    struct Taken(VecDeque<Deferred>);
+    impl Drop for Taken {
+        fn drop(&mut self) {
+            while let Some((h, finish)) = self.0.pop_front() {
+                // SAFETY: `defer_last` took the last reference's place for it.
+                unsafe { finish(h) };
+            }
+            let _ = SCOPES.try_with(|s| {
+                let mut list = s.deferred.borrow_mut();
+                if list.is_empty() && list.capacity() < self.0.capacity() {
+                    std::mem::swap(&mut *list, &mut self.0);
+                }
+            });
+        }
+    }
+    let Ok(list) = SCOPES.try_with(|s| std::mem::take(&mut *s.deferred.borrow_mut())) else {
+        return;
+    };
+    let mut taken = Taken(list);
+    while let Some((h, finish)) = taken.0.pop_front() {
         // SAFETY: `defer_last` took the last reference's place for it.
         unsafe { finish(h) };
     }
