@@ -674,22 +674,44 @@ impl Worker {
         loop {
             self.drain_inbox();
             let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
-            // Woken fibers this worker took out of its inbox and will not
-            // run again: let go of for good, so one woken for nothing (an
-            // interrupt) hands on what a primitive hands it later, and
-            // later wakes of it are refused. (Not the sleeping ones: one of
-            // them may sit in the inbox, queued, by now; asleep, the
-            // closed inbox refuses them.)
-            // In a scope: a fiber released inside an abandon (one woken for
-            // the value an abandoned fiber hands on, and refused) is unwound
-            // only once every fiber here is let go of.
-            spindle_fiber::defer_releases(|| {
+            // One scope for the whole pass: a fiber released anywhere in it
+            // (one woken for the value an abandoned fiber hands on and
+            // refused; a joiner nobody else holds, released by the wake of
+            // a completion: a fiber run by hand and dropped while it slept
+            // in the join) is unwound only once every fiber here is let go
+            // of and every task completed (found in review: such a joiner
+            // joined another task of the batch and the executor's drop
+            // hung).
+            let idle = spindle_fiber::defer_releases(|| {
+                // Woken fibers this worker took out of its inbox and will not
+                // run again: let go of for good, so one woken for nothing (an
+                // interrupt) hands on what a primitive hands it later, and
+                // later wakes of it are refused. (Not the sleeping ones: one of
+                // them may sit in the inbox, queued, by now; asleep, the
+                // closed inbox refuses them.)
                 for fiber in &fibers {
                     let _ = fiber.abandon();
                 }
+                fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
+                if fibers.is_empty() {
+                    return true;
+                }
+                // Every task of the batch is completed before any fiber is
+                // dropped: a dropped fiber may be unwound here, and a
+                // destructor of it that joins another task of the batch
+                // would otherwise block this thread for good (that task is
+                // completed only by this loop).
+                for fiber in &fibers {
+                    if fiber.sched_data() != 0 {
+                        let task = take_task(fiber);
+                        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+                        self.complete(task, Some(err));
+                    }
+                }
+                drop(std::mem::take(&mut fibers));
+                false
             });
-            fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
-            if fibers.is_empty() {
+            if idle {
                 // Jobs queued in the last instant are dropped before this
                 // worker goes idle: failing their joins wakes joiners too.
                 if self.drop_queued_jobs() {
@@ -698,27 +720,7 @@ impl Worker {
                 if self.wait_for_close(parker) {
                     break;
                 }
-                continue;
             }
-            // Every task of the batch is completed before any fiber is
-            // dropped: a dropped fiber may be unwound here, and a destructor
-            // of it that joins another task of the batch would otherwise
-            // block this thread for good (that task is completed only by
-            // this loop). In a scope: completing a task wakes its joiners,
-            // and a joiner nobody else holds (a fiber run by hand and
-            // dropped while it slept in the join) is released by that wake;
-            // its unwind waits too (found in review: it joined a task of the
-            // batch and the executor's drop hung).
-            spindle_fiber::defer_releases(|| {
-                for fiber in &fibers {
-                    if fiber.sched_data() != 0 {
-                        let task = take_task(fiber);
-                        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-                        self.complete(task, Some(err));
-                    }
-                }
-            });
-            drop(fibers);
         }
         self.cache.clear();
     }
@@ -726,25 +728,36 @@ impl Worker {
     /// Drops the jobs left in this worker's queues; returns whether there
     /// were any.
     fn drop_queued_jobs(&mut self) -> bool {
-        // Failing a job's join wakes its joiners: in a scope, as in
-        // `drain`, so that a joiner released by its wake is unwound only
-        // once every job here has failed.
-        spindle_fiber::defer_releases(|| self.drop_queued_jobs_now())
-    }
-
-    fn drop_queued_jobs_now(&mut self) -> bool {
-        let mut any = false;
+        let mut jobs = Vec::new();
         for class in 0..CLASSES {
             while let Some(job) = self.ctx.locals[class].pop() {
-                self.drop_job(job);
-                any = true;
+                jobs.push(job);
             }
             while let Some(job) = steal_one(&self.me().fresh[class]) {
-                self.drop_job(job);
-                any = true;
+                jobs.push(job);
             }
         }
-        any
+        if jobs.is_empty() {
+            return false;
+        }
+        // The closures first, outside any scope: a capture's destructor
+        // that drops a fiber sees it unwound there and then, as everywhere
+        // else. Then every join fails, in a scope: a joiner released by
+        // its wake is unwound only once every job here has failed.
+        {
+            let _busy = BusyOutsideFiber::new(self.me());
+            for job in &jobs {
+                // SAFETY: we hold the job; its closure is dropped, never run.
+                unsafe { job.task.drop_job() };
+            }
+        }
+        spindle_fiber::defer_releases(|| {
+            for job in jobs {
+                let name = job.task.name.clone();
+                self.complete(job.task, Some(JoinError::Cancelled { fiber: None, name }));
+            }
+        });
+        true
     }
 }
 

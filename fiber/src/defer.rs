@@ -11,7 +11,7 @@
 //! `release(n)`, a run queue's drop, a chain of refused wakes). Inside a
 //! scope, the work finishes first.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::ptr::NonNull;
 
@@ -20,24 +20,32 @@ use crate::header::Header;
 /// A release deferred: the fiber's header and what finishes its release.
 type Deferred = (NonNull<Header>, unsafe fn(NonNull<Header>));
 
-/// This thread's scopes: how deep, and what waits for the outermost end.
-/// The list keeps its capacity, so a thread allocates for it only the
-/// first times it grows.
+/// This thread's scopes: how deep, and what waits for the outermost end
+/// (null while nothing does: the list is allocated when a scope first
+/// defers something and freed when the outermost end has released it).
+///
+/// Nothing here has a destructor, so the thread-local has none either and
+/// stays usable while the thread's other thread-locals are destroyed: a
+/// queue or semaphore dropped by a thread-local destructor still gets its
+/// scope (found in review: with a list that had a destructor, registered
+/// after the user's thread-locals and so destroyed before them, every scope
+/// opened during the thread's exit was silently off, and the hangs it
+/// prevents came back).
 struct Scopes {
     depth: Cell<usize>,
-    deferred: RefCell<VecDeque<Deferred>>,
+    deferred: Cell<*mut VecDeque<Deferred>>,
 }
 
 #[cfg(not(loom))]
 std::thread_local! {
-    static SCOPES: Scopes = const { Scopes { depth: Cell::new(0), deferred: RefCell::new(VecDeque::new()) } };
+    static SCOPES: Scopes = const { Scopes { depth: Cell::new(0), deferred: Cell::new(std::ptr::null_mut()) } };
 }
 
 // Under loom, each model thread has its own (loom runs them all on one OS
 // thread).
 #[cfg(loom)]
 loom::thread_local! {
-    static SCOPES: Scopes = Scopes { depth: Cell::new(0), deferred: RefCell::new(VecDeque::new()) };
+    static SCOPES: Scopes = Scopes { depth: Cell::new(0), deferred: Cell::new(std::ptr::null_mut()) };
 }
 
 /// Runs `f`; a fiber whose last reference is dropped on this thread while
@@ -131,8 +139,7 @@ pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
 /// stack, and one whose destructor waited for a later one's hung).
 fn release_deferred() {
     /// The taken list: its rest is released if a release unwinds (as a
-    /// `Vec` of fibers dropped during a panic would be), and its memory
-    /// goes back to the thread for the next scope.
+    /// `Vec` of fibers dropped during a panic would be); then it is freed.
     struct Taken(VecDeque<Deferred>);
     impl Drop for Taken {
         fn drop(&mut self) {
@@ -140,18 +147,17 @@ fn release_deferred() {
                 // SAFETY: `defer_last` took the last reference's place for it.
                 unsafe { finish(h) };
             }
-            let _ = SCOPES.try_with(|s| {
-                let mut list = s.deferred.borrow_mut();
-                if list.is_empty() && list.capacity() < self.0.capacity() {
-                    std::mem::swap(&mut *list, &mut self.0);
-                }
-            });
         }
     }
-    let Ok(list) = SCOPES.try_with(|s| std::mem::take(&mut *s.deferred.borrow_mut())) else {
+    let Ok(list) = SCOPES.try_with(|s| s.deferred.replace(std::ptr::null_mut())) else {
         return;
     };
-    let mut taken = Taken(list);
+    if list.is_null() {
+        return;
+    }
+    // SAFETY: made by `Box::into_raw` in `defer_last`, and taken out of the
+    // thread-local just now, so owned here alone.
+    let mut taken = Taken(*unsafe { Box::from_raw(list) });
     while let Some((h, finish)) = taken.0.pop_front() {
         // SAFETY: `defer_last` took the last reference's place for it.
         unsafe { finish(h) };
@@ -169,7 +175,14 @@ pub(crate) fn defer_last(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>))
             if s.depth.get() == 0 {
                 return false;
             }
-            s.deferred.borrow_mut().push_back((h, finish));
+            let mut list = s.deferred.get();
+            if list.is_null() {
+                list = Box::into_raw(Box::default());
+                s.deferred.set(list);
+            }
+            // SAFETY: the thread's own list, reached only through this
+            // thread-local and never while another access holds it.
+            unsafe { (*list).push_back((h, finish)) };
             true
         })
         .unwrap_or(false)

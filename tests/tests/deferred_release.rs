@@ -146,3 +146,60 @@ fn many_deferred_releases_that_open_scopes_do_not_nest() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("child released: {}", 2 * N)), "{}", describe(&out));
 }
+
+/// Releases two tokens when dropped.
+struct ReleasesTwo(Arc<Semaphore>);
+
+impl Drop for ReleasesTwo {
+    fn drop(&mut self) {
+        self.0.release(2);
+    }
+}
+
+std::thread_local! {
+    static RELEASES_AT_EXIT: std::cell::RefCell<Option<ReleasesTwo>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A `release(2)` made by a thread-local destructor at a thread's exit,
+/// after spindle's own thread-local was first used (so, were it destroyed
+/// in turn, before this one): its scope still works. A homeless fiber
+/// waits first, its destructor acquiring a token; a thread waits second.
+/// (Found in review: the scopes' thread-local had a destructor, so scopes
+/// opened during the thread's exit were silently off, and this hung.)
+#[test]
+fn a_scope_opened_by_a_thread_local_destructor_still_defers() {
+    watchdog("a_scope_opened_by_a_thread_local_destructor_still_defers", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let f = Fiber::<()>::new(FiberAttr::new().stack_size(64 * 1024)).unwrap();
+        let s = sem.clone();
+        let acquires = OnDrop({
+            let s = sem.clone();
+            move || s.acquire()
+        });
+        // SAFETY: only `Arc`s live across the suspension.
+        unsafe {
+            f.set_function_migratable(Priority::NORMAL, move || {
+                let _d = acquires;
+                s.acquire();
+            })
+        }
+        .unwrap();
+        assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+        drop(f);
+        let s = sem.clone();
+        let waiting = std::thread::spawn(move || s.acquire());
+        common::spin_until(|| sem.waiters() == 2);
+        stage.set("a thread's exit: release(2) in a thread-local destructor");
+        let s = sem.clone();
+        std::thread::spawn(move || {
+            RELEASES_AT_EXIT.with(|r| *r.borrow_mut() = Some(ReleasesTwo(s)));
+            // Spindle's thread-local, used after this thread's own.
+            defer_releases(|| ());
+        })
+        .join()
+        .unwrap();
+        waiting.join().unwrap();
+        // The fiber's token came back when it unwound; its destructor took it.
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    });
+}
