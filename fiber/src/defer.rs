@@ -169,7 +169,19 @@ fn release_deferred() {
 ///
 /// Whoever calls this with `true` returned has handed over the last
 /// reference's work: `finish(h)` runs it later, on this thread.
+#[inline]
 pub(crate) fn defer_last(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) -> bool {
+    // The common case (no scope open) reads one word.
+    if SCOPES.try_with(|s| s.depth.get()).unwrap_or(0) == 0 {
+        return false;
+    }
+    defer_last_slow(h, finish)
+}
+
+/// [`defer_last`] with a scope open: out of line.
+#[cold]
+#[inline(never)]
+fn defer_last_slow(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) -> bool {
     SCOPES
         .try_with(|s| {
             if s.depth.get() == 0 {
