@@ -728,36 +728,31 @@ impl Worker {
     /// Drops the jobs left in this worker's queues; returns whether there
     /// were any.
     fn drop_queued_jobs(&mut self) -> bool {
-        let mut jobs = Vec::new();
+        // Failing a job's join wakes its joiners: in a scope, as in
+        // `drain`, so that a joiner released by its wake is unwound only
+        // once every job here has failed. Each closure is dropped before
+        // its job completes (a scope's borrows end with the closure), so
+        // a fiber a capture held last is unwound at the scope's end too,
+        // after every job here has failed: its destructor may join one of
+        // them. (A capture that drops a fiber and then waits for that
+        // fiber's destructors to run would wait for ever; DESIGN.md,
+        // "Deferred releases".)
+        spindle_fiber::defer_releases(|| self.drop_queued_jobs_now())
+    }
+
+    fn drop_queued_jobs_now(&mut self) -> bool {
+        let mut any = false;
         for class in 0..CLASSES {
             while let Some(job) = self.ctx.locals[class].pop() {
-                jobs.push(job);
+                self.drop_job(job);
+                any = true;
             }
             while let Some(job) = steal_one(&self.me().fresh[class]) {
-                jobs.push(job);
+                self.drop_job(job);
+                any = true;
             }
         }
-        if jobs.is_empty() {
-            return false;
-        }
-        // The closures first, outside any scope: a capture's destructor
-        // that drops a fiber sees it unwound there and then, as everywhere
-        // else. Then every join fails, in a scope: a joiner released by
-        // its wake is unwound only once every job here has failed.
-        {
-            let _busy = BusyOutsideFiber::new(self.me());
-            for job in &jobs {
-                // SAFETY: we hold the job; its closure is dropped, never run.
-                unsafe { job.task.drop_job() };
-            }
-        }
-        spindle_fiber::defer_releases(|| {
-            for job in jobs {
-                let name = job.task.name.clone();
-                self.complete(job.task, Some(JoinError::Cancelled { fiber: None, name }));
-            }
-        });
-        true
+        any
     }
 }
 
