@@ -475,6 +475,27 @@ fn a_release_that_overflows_the_count_panics() {
     assert_eq!(sem.available(), usize::MAX, "the count is unchanged");
 }
 
+/// A scheduler that breaks `Schedule`'s contract: it panics.
+struct PanicsInSchedule;
+
+impl spindle_fiber::Schedule<()> for PanicsInSchedule {
+    fn schedule<'w>(&self, _fiber: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        panic!("schedule panics");
+    }
+}
+
+/// A fiber asleep in `sem.acquire()` whose home panics when it is woken.
+fn asleep_with_a_panicking_home(sem: &Arc<Semaphore>) -> Fiber<()> {
+    let home: Arc<dyn spindle_fiber::Schedule<()>> = Arc::new(PanicsInSchedule);
+    let fiber = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
+    let s = Arc::clone(sem);
+    fiber.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
+    fiber.mark_queued(Some(&home)).unwrap();
+    fiber.mark_dequeued().unwrap();
+    assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    fiber
+}
+
 /// A scheduler that panics in `schedule` (against the trait's contract):
 /// `release(2)` unwinds at the first wake, and the token it had not handed
 /// out yet is counted as available, not lost; the next release hands it to
@@ -482,27 +503,11 @@ fn a_release_that_overflows_the_count_panics() {
 /// comes back when that fiber is dropped.
 #[test]
 fn a_release_whose_wake_panics_loses_no_token() {
-    use spindle_fiber::Schedule;
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
-    struct PanicsInSchedule;
-    impl Schedule<()> for PanicsInSchedule {
-        fn schedule<'w>(
-            &self,
-            _fiber: spindle_fiber::Woken<'w, ()>,
-        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-            panic!("schedule panics");
-        }
-    }
     watchdog("a_release_whose_wake_panics_loses_no_token", 30, |_stage| {
         let sem = Arc::new(Semaphore::new(0));
-        let home: Arc<dyn Schedule<()>> = Arc::new(PanicsInSchedule);
-        let fiber = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
-        let s = Arc::clone(&sem);
-        fiber.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
-        fiber.mark_queued(Some(&home)).unwrap();
-        fiber.mark_dequeued().unwrap();
-        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        let fiber = asleep_with_a_panicking_home(&sem);
         // Two more waiters behind it, with no home (a wake leaves them Ready).
         let others: Vec<Fiber<()>> = (0..2)
             .map(|_| {
@@ -556,18 +561,8 @@ fn debug_into_a_writer_that_uses_the_semaphore_does_not_deadlock() {
 /// without the deferral.)
 #[test]
 fn a_release_of_one_with_stranded_tokens_places_them_all_before_an_unwind() {
-    use spindle_fiber::Schedule;
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
-    struct PanicsInSchedule;
-    impl Schedule<()> for PanicsInSchedule {
-        fn schedule<'w>(
-            &self,
-            _fiber: spindle_fiber::Woken<'w, ()>,
-        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-            panic!("schedule panics");
-        }
-    }
     struct AcquiresOnDrop(Arc<Semaphore>);
     impl Drop for AcquiresOnDrop {
         fn drop(&mut self) {
@@ -577,13 +572,7 @@ fn a_release_of_one_with_stranded_tokens_places_them_all_before_an_unwind() {
     watchdog("a_release_of_one_with_stranded_tokens_places_them_all_before_an_unwind", 30, |stage| {
         let sem = Arc::new(Semaphore::new(0));
         // P: its wake panics, which strands a token in the count.
-        let home: Arc<dyn Schedule<()>> = Arc::new(PanicsInSchedule);
-        let p = Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
-        let s = Arc::clone(&sem);
-        p.set_function(Priority::NORMAL, move || s.acquire()).unwrap();
-        p.mark_queued(Some(&home)).unwrap();
-        p.mark_dequeued().unwrap();
-        assert!(matches!(p.run(), Ok(RunOutcome::Slept)));
+        let p = asleep_with_a_panicking_home(&sem);
         // F: homeless, dropped while it sleeps; its destructor acquires.
         let f = Fiber::<()>::new(spindle_fiber::FiberAttr::new().stack_size(64 * 1024)).unwrap();
         let (s, d) = (Arc::clone(&sem), AcquiresOnDrop(Arc::clone(&sem)));
