@@ -7,9 +7,9 @@
 //! for something. A waker that wakes several fibers, or a scheduler that
 //! lets go of several, can drop such a reference in the middle of its
 //! work; a destructor that waits for what the rest of that work hands out
-//! then waits for ever (found in review, three times: a semaphore's
-//! `release(n)`, a run queue's drop, a chain of refused wakes). Inside a
-//! scope, the work finishes first.
+//! then waits for ever (found in review: a semaphore's `release(n)`, a run
+//! queue's drop, a chain of refused wakes, an executor's final drain).
+//! Inside a scope, the work finishes first.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -114,20 +114,38 @@ pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
                 // count is not ours to lower (see above).
                 return;
             }
-            let outermost = SCOPES.try_with(|s| {
-                let depth = s.depth.get() - 1;
-                s.depth.set(depth);
-                depth == 0
-            });
-            if matches!(outermost, Ok(true)) {
+            if leave_scope() {
                 release_deferred();
             }
         }
     }
     let thread = crate::current::thread_id();
-    let entered = SCOPES.try_with(|s| s.depth.set(s.depth.get() + 1)).is_ok();
-    let _end = entered.then_some(End { thread });
+    let _end = enter_scope().then_some(End { thread });
     f()
+}
+
+// The scope count is read and written only in these out-of-line functions,
+// which do not suspend: `f` may (against the contract) suspend and come
+// back on another thread, and a thread-local's address that the compiler
+// kept across that would be the first thread's (llvm/llvm-project#98479;
+// see tls.rs).
+
+/// Opens a scope on this thread; false if the thread-local is gone.
+#[inline(never)]
+fn enter_scope() -> bool {
+    SCOPES.try_with(|s| s.depth.set(s.depth.get() + 1)).is_ok()
+}
+
+/// Closes a scope on this thread; true if it was the outermost.
+#[inline(never)]
+fn leave_scope() -> bool {
+    SCOPES
+        .try_with(|s| {
+            let depth = s.depth.get() - 1;
+            s.depth.set(depth);
+            depth == 0
+        })
+        .unwrap_or(false)
 }
 
 /// Releases what the outermost scope deferred, in order. The list is taken
@@ -137,6 +155,7 @@ pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
 /// the stack however many there are (found in review: a thousand queued
 /// fibers whose captures released two tokens each overflowed the thread's
 /// stack, and one whose destructor waited for a later one's hung).
+#[inline(never)] // as `enter_scope`: it reads the thread-local
 fn release_deferred() {
     /// The taken list: its rest is released if a release unwinds (as a
     /// `Vec` of fibers dropped during a panic would be); then it is freed.
@@ -169,7 +188,12 @@ fn release_deferred() {
 ///
 /// Whoever calls this with `true` returned has handed over the last
 /// reference's work: `finish(h)` runs it later, on this thread.
-#[inline]
+///
+/// Out of line, as the scope functions above: `release` is generic, so it
+/// is compiled into callers (a fiber's code among them) that may suspend
+/// and come back on another thread, and an inlined thread-local access
+/// there could use the first thread's address.
+#[inline(never)]
 pub(crate) fn defer_last(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) -> bool {
     // The common case (no scope open) reads one word.
     if SCOPES.try_with(|s| s.depth.get()).unwrap_or(0) == 0 {
