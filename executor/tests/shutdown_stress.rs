@@ -1,0 +1,284 @@
+//! Randomized shutdown stress: executors of 1 to 4 workers, a random mix
+//! of tasks (waits nobody signals, timers, joins, scopes, yield loops,
+//! values whose `Drop` joins or takes tokens, fibers run by hand inside
+//! tasks, some dropped asleep), dropped at a random moment. Every drop and
+//! join must return, and every guard that must be dropped is.
+//!
+//! **Known failure, ignored in CI:** seed 66 aborts the process most of
+//! the time ("panic in a destructor during cleanup", on a worker, inside
+//! the final drain's release of a task fiber asleep at shutdown: an unwind
+//! escapes a destructor in the task's closure while the drain force-unwinds
+//! it). It reproduces at `397da6c` as well, before this test existed; the
+//! root cause is not found yet. Run it with:
+//!
+//! ```text
+//! SHUTDOWN_STRESS_ROUNDS=1 SHUTDOWN_STRESS_SEED=66 cargo test -p spindle-executor \
+//!     --test shutdown_stress -- --ignored --nocapture
+//! ```
+//!
+//! `SHUTDOWN_STRESS_ROUNDS` (default 300), `SHUTDOWN_STRESS_SEED` (default
+//! 1), `SHUTDOWN_STRESS_VERBOSE` (prints each round's workers and task
+//! kinds, `kind * 10 + sub`).
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::watchdog;
+use spindle_executor::{sleep, yield_now, Executor, JoinError, JoinHandle};
+use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+use spindle_sync::{Channel, Semaphore};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Counts when dropped.
+struct Guard(Arc<AtomicUsize>);
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, SeqCst);
+    }
+}
+
+/// Joins when dropped.
+struct JoinsOnDrop(Option<JoinHandle<()>>);
+impl Drop for JoinsOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Releases `sem` (n tokens) and then acquires one from `plenty` and gives it back.
+struct SemOnDrop(Arc<Semaphore>, usize, Arc<Semaphore>);
+impl Drop for SemOnDrop {
+    fn drop(&mut self) {
+        self.0.release(self.1);
+        self.2.acquire();
+        self.2.release(1);
+    }
+}
+
+type Pool = Arc<Mutex<Vec<JoinHandle<()>>>>;
+
+fn take_one(pool: &Pool) -> Option<JoinHandle<()>> {
+    pool.lock().unwrap().pop()
+}
+
+fn one_round(seed: u64, stage: common::Stage) -> String {
+    let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+    for _ in 0..4 {
+        rng.next();
+    }
+    let workers = 1 + rng.below(4) as usize;
+    let exec = Executor::builder().workers(workers).build();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let expected = Arc::new(AtomicUsize::new(0)); // guards that must drop
+    let never = Arc::new(Semaphore::new(0)); // nobody signals (interruptible waits)
+    let plain = Arc::new(Semaphore::new(0)); // plain waiters; destructors release into it
+    let plenty = Arc::new(Semaphore::new(1000));
+    let chan: Arc<Channel<u32>> = Arc::new(Channel::new());
+    let pool: Pool = Arc::new(Mutex::new(Vec::new()));
+    let stuck_pool: Pool = Arc::new(Mutex::new(Vec::new()));
+    let stuck = Arc::new(Semaphore::new(0)); // plain waiters, never released
+    let n = 1 + rng.below(24);
+    let mut main_handles: Vec<JoinHandle<()>> = Vec::new();
+    let mut kinds = Vec::new();
+    for _ in 0..n {
+        let kind = rng.below(12);
+        let sub = rng.below(4);
+        kinds.push(kind * 10 + sub);
+        let g = Guard(dropped.clone());
+        let (never, plain, plenty, chan, tpool) =
+            (never.clone(), plain.clone(), plenty.clone(), chan.clone(), pool.clone());
+        let (stuck2, spool) = (stuck.clone(), stuck_pool.clone());
+        // whether this task's guard must be dropped
+        let counted = !matches!(kind, 7 | 11);
+        if counted {
+            expected.fetch_add(1, SeqCst);
+        }
+        let h = exec.spawn(move || {
+            let _g = g;
+            match kind {
+                0 => {
+                    let _ = never.acquire_interruptible();
+                    sleep(Duration::from_secs(60));
+                }
+                1 => {
+                    let _ = chan.pop_interruptible();
+                    sleep(Duration::from_secs(60));
+                }
+                2 => sleep(Duration::from_millis(sub * 3 + 1).max(Duration::from_millis(1)) * 1000),
+                3 => {
+                    if let Some(h) = take_one(&tpool) {
+                        let _ = h.join();
+                    }
+                    sleep(Duration::from_secs(60));
+                }
+                4 => {
+                    let handle = spindle_executor::Handle::current().unwrap();
+                    let local = 5u32;
+                    handle.scope(|s| {
+                        for i in 0..=sub {
+                            let never = &never;
+                            let local = &local;
+                            s.spawn(move || {
+                                let _x = *local;
+                                match i % 3 {
+                                    0 => sleep(Duration::from_secs(60)),
+                                    1 => loop {
+                                        yield_now()
+                                    },
+                                    _ => {
+                                        let _ = never.acquire_interruptible();
+                                        sleep(Duration::from_secs(60));
+                                    }
+                                }
+                            });
+                        }
+                        sleep(Duration::from_secs(60));
+                    });
+                }
+                5 => loop {
+                    yield_now();
+                },
+                6 => {
+                    let _j = JoinsOnDrop(take_one(&tpool));
+                    sleep(Duration::from_secs(60));
+                }
+                7 => {
+                    // plain wait nobody signals (maybe a SemOnDrop releases it)
+                    plain.acquire();
+                    sleep(Duration::from_secs(60));
+                }
+                8 => {
+                    let _s = SemOnDrop(plain.clone(), 1 + sub as usize, plenty.clone());
+                    if sub % 2 == 0 {
+                        sleep(Duration::from_secs(60));
+                    } else {
+                        loop {
+                            yield_now()
+                        }
+                    }
+                }
+                9 | 10 => {
+                    // hand-run nested fiber
+                    let f = Fiber::<()>::new(FiberAttr::new().stack_size(64 * 1024)).unwrap();
+                    // only a fiber asleep in a join of a task the drain completes
+                    // (stuck) holds a joining destructor: anything else is a user deadlock
+                    let (joined, other) = if kind == 9 && sub == 3 {
+                        (take_one(&spool), take_one(&spool))
+                    } else {
+                        (take_one(&tpool), None)
+                    };
+                    let inner_kind = sub;
+                    f.set_function(Priority::NORMAL, move || {
+                        let _j = JoinsOnDrop(other);
+                        match inner_kind {
+                            0 => spindle_fiber::yield_now(),
+                            1 => {
+                                let _ = never.acquire_interruptible();
+                                spindle_fiber::yield_now();
+                            }
+                            _ => {
+                                if let Some(h) = joined {
+                                    let _ = h.join();
+                                } else {
+                                    spindle_fiber::yield_now();
+                                }
+                            }
+                        }
+                    })
+                    .unwrap();
+                    let r = f.run();
+                    assert!(
+                        matches!(
+                            r,
+                            Ok(RunOutcome::Yielded(_)) | Ok(RunOutcome::Slept) | Ok(RunOutcome::Returned(_))
+                        ),
+                        "run: {:?}",
+                        r.map(|_| ())
+                    );
+                    if kind == 9 {
+                        drop(f);
+                        sleep(Duration::from_secs(60));
+                    } else {
+                        let _keep = f;
+                        sleep(Duration::from_secs(60));
+                    }
+                }
+                11 => {
+                    stuck2.acquire();
+                    sleep(Duration::from_secs(60));
+                }
+                _ => unreachable!(),
+            }
+        });
+        if kind == 11 && rng.below(4) != 0 {
+            stuck_pool.lock().unwrap().push(h);
+        } else if rng.below(2) == 0 {
+            pool.lock().unwrap().push(h);
+        } else {
+            main_handles.push(h);
+        }
+    }
+    // a drop moment
+    match rng.below(4) {
+        0 => {}
+        1 => std::thread::yield_now(),
+        2 => std::thread::sleep(Duration::from_micros(rng.below(500))),
+        _ => std::thread::sleep(Duration::from_millis(1 + rng.below(5))),
+    }
+    if std::env::var("SHUTDOWN_STRESS_VERBOSE").is_ok() {
+        eprintln!("workers {workers} kind*10+sub {kinds:?}");
+    }
+    stage.set(format!("dropping exec: workers {workers} kinds {kinds:?}"));
+    drop(exec);
+    stage.set(format!("joining: workers {workers} kinds {kinds:?}"));
+    let mut res = Vec::new();
+    for h in main_handles {
+        match h.join() {
+            Ok(()) => res.push('o'),
+            Err(JoinError::Cancelled { .. }) => res.push('c'),
+            Err(e) => panic!("seed {seed}: unexpected join {e:?}"),
+        }
+    }
+    let mut left: Vec<_> = std::mem::take(&mut *pool.lock().unwrap());
+    left.extend(std::mem::take(&mut *stuck_pool.lock().unwrap()));
+    for h in left {
+        match h.join() {
+            Ok(()) | Err(JoinError::Cancelled { .. }) => {}
+            Err(e) => panic!("seed {seed}: unexpected pool join {e:?}"),
+        }
+    }
+    let (d, e) = (dropped.load(SeqCst), expected.load(SeqCst));
+    assert!(d >= e, "seed {seed}: workers {workers} kinds {kinds:?}: dropped {d} < expected {e}");
+    format!("{workers} {kinds:?} {res:?}")
+}
+
+#[test]
+#[ignore = "seed 66 aborts the process (see the module docs): a known failure, not yet fixed"]
+fn random_shutdowns_return_and_drop_what_they_must() {
+    let rounds: u64 =
+        std::env::var("SHUTDOWN_STRESS_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
+    let base: u64 = std::env::var("SHUTDOWN_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    for r in 0..rounds {
+        let seed = base + r;
+        if std::env::var("SHUTDOWN_STRESS_VERBOSE").is_ok() {
+            eprintln!("seed {seed}");
+        }
+        watchdog(&format!("shutdown_stress seed {seed}"), 20, move |s| one_round(seed, s));
+    }
+}
