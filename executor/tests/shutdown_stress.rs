@@ -8,8 +8,10 @@
 //! the time ("panic in a destructor during cleanup", on a worker, inside
 //! the final drain's release of a task fiber asleep at shutdown: an unwind
 //! escapes a destructor in the task's closure while the drain force-unwinds
-//! it). It reproduces at `397da6c` as well, before this test existed; the
-//! root cause is not found yet. Run it with:
+//! it). It reproduces at `397da6c` as well, before this test existed.
+//! The cause is in DESIGN.md, "Known gaps" (a joiner that slept inside a
+//! destructor during its cancel unwind, woken by the drain and then
+//! force-unwound instead of run). Run it with:
 //!
 //! ```text
 //! SHUTDOWN_STRESS_ROUNDS=1 SHUTDOWN_STRESS_SEED=66 cargo test -p spindle-executor \
