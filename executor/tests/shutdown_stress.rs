@@ -4,14 +4,13 @@
 //! tasks, some dropped asleep), dropped at a random moment. Every drop and
 //! join must return, and every guard that must be dropped is.
 //!
-//! **Known failure, ignored in CI:** seed 66 aborts the process most of
-//! the time ("panic in a destructor during cleanup", on a worker, inside
-//! the final drain's release of a task fiber asleep at shutdown: an unwind
-//! escapes a destructor in the task's closure while the drain force-unwinds
-//! it). It reproduces at `397da6c` as well, before this test existed.
-//! The cause is in DESIGN.md, "Known gaps" (a joiner that slept inside a
-//! destructor during its cancel unwind, woken by the drain and then
-//! force-unwound instead of run). Run it with:
+//! **Known failure, ignored in CI:** seed 66 fails its count check: a
+//! task's joiner that slept inside a destructor during its cancel unwind
+//! is dropped by the final drain instead of run, so its stack is leaked
+//! (reported on stderr) and its remaining guards are never dropped. It
+//! used to abort the process there ("panic in a destructor during
+//! cleanup"), at `397da6c` as well; DESIGN.md, "Known gaps", has the cause
+//! and the fix still open. Run it with:
 //!
 //! ```text
 //! SHUTDOWN_STRESS_ROUNDS=1 SHUTDOWN_STRESS_SEED=66 cargo test -p spindle-executor \

@@ -942,6 +942,10 @@ pub fn sleep_on(reason: &'static WaitReason) {
         yielder = sleep_without_yielder(hr);
     }
     hr.sleep_request.store(true, Ordering::Relaxed);
+    // A sleep inside a destructor during an unwind: if the fiber is dropped
+    // before it wakes, it cannot be unwound (see `release`).
+    hr.slept_panicking
+        .store(std::thread::panicking(), Ordering::Relaxed);
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(crate::fiber::SLEEP_SIGNAL) };
 }

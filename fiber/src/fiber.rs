@@ -668,6 +668,7 @@ impl<T: Send + 'static> Fiber<T> {
             interrupt: AtomicU64::new(0),
             unwinding_for_drop: AtomicBool::new(false),
             panicking_means_unwinding: AtomicBool::new(false),
+            slept_panicking: AtomicBool::new(false),
             stackless: AtomicBool::new(false),
         };
         let inner = Box::new(Inner {
@@ -868,6 +869,7 @@ impl<T: Send + 'static> Fiber<T> {
         let generation = (h.interrupt.load(Ordering::Relaxed) >> 1).wrapping_add(1);
         h.interrupt.store(generation << 1, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
+        h.slept_panicking.store(false, Ordering::Relaxed);
         h.panicking_means_unwinding.store(false, Ordering::Relaxed);
         h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
@@ -1734,9 +1736,16 @@ unsafe fn release_last<T>(ptr: NonNull<Inner<T>>) {
         // it one (with the overflow handler's alternate stack).
         // Built with `panic = "abort"`, a forced unwind would abort the
         // process: the stack is leaked (and counted) instead.
+        // A fiber that went to sleep while its thread was panicking (a
+        // destructor that waits during an unwind) is suspended inside that
+        // destructor's cleanup: a forced unwind from there escapes a
+        // destructor during cleanup, which aborts the process. Its stack
+        // is leaked instead (found by a shutdown stress test: a joiner in a
+        // destructor during its cancel unwind, dropped by the final drain).
         let unwind = cfg!(panic = "unwind")
             && slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
-            && (slot.migratable || slot.pin == crate::tls::thread_id_word());
+            && (slot.migratable || slot.pin == crate::tls::thread_id_word())
+            && !inner.header.slept_panicking.load(Ordering::Relaxed);
         (unwind, slot.pool)
     };
     // The forced unwind of the fiber this runs on, if the unwind below

@@ -206,6 +206,12 @@ pub(crate) struct Header {
     /// that stopped it. When the thread was panicking already, the two
     /// cannot be told apart (the count is the thread's, not the fiber's).
     pub(crate) panicking_means_unwinding: AtomicBool,
+    /// The fiber's last sleep began while its thread was panicking (a
+    /// destructor that waits during an unwind): a forced unwind from there
+    /// would start inside that destructor's cleanup and abort the process,
+    /// so `release` leaks such a stack instead. Written by the fiber as it
+    /// sleeps, cleared by `set_function`.
+    pub(crate) slept_panicking: AtomicBool,
     /// Set once the fiber has lost its stack for good (its suspended
     /// function was unwound on drop while a destructor kept a reference,
     /// or dropping an unstarted closure panicked); never cleared. Read by

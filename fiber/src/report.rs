@@ -21,7 +21,16 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
     if WARNED.swap(true, Ordering::Relaxed) {
         return;
     }
-    if cfg!(panic = "unwind") {
+    if h.slept_panicking.load(Ordering::Relaxed) {
+        warn!(
+            "spindle-fiber: fiber {} was dropped while asleep in a wait it began during an unwind (a \
+             destructor that waits while its fiber panics or is cancelled): unwinding it from there \
+             would abort the process, so its stack is leaked and the rest of its destructors never \
+             run. Let such a fiber wake and finish before dropping it. (Said once; leaked_stacks() \
+             counts every leak.)",
+            h.display_name()
+        );
+    } else if cfg!(panic = "unwind") {
         warn!(
             "spindle-fiber: fiber {} was dropped while suspended, on another thread than the one it is \
              pinned to: its stack is leaked and the destructors of its locals never run. Drop a \
@@ -42,7 +51,8 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
 
 /// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
 /// dropped on another thread than the one it ran on (its locals could not
-/// be safely dropped there), a forced unwind that did not finish (it
+/// be safely dropped there), a fiber dropped while asleep in a wait it
+/// began during an unwind (unwinding it from there would abort), a forced unwind that did not finish (it
 /// panicked, or suspended into a function that is over), and a closure
 /// that never ran whose drop panicked. The first suspended fiber leaked
 /// for want of a place to unwind it (the first case, or a build with

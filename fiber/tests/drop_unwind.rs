@@ -1169,3 +1169,48 @@ fn a_yield_after_a_caught_forced_unwind_restarts_it_even_on_a_panicking_thread()
         );
     });
 }
+
+const SLEPT_PANICKING_CHILD: &str = "a_fiber_asleep_in_a_destructor_during_a_panic_is_leaked_when_dropped";
+
+/// A fiber whose destructor goes to sleep while a panic unwinds it, and
+/// that is then dropped before it wakes, is leaked (counted and reported
+/// once), not force-unwound: that unwind would start inside the
+/// destructor's cleanup and abort the process. (Found by a shutdown
+/// stress test of the executor: a join in a destructor during a cancel
+/// unwind, its fiber dropped by the final drain.) In a child process, so
+/// that a regression's abort is the child's.
+#[test]
+fn a_fiber_asleep_in_a_destructor_during_a_panic_is_leaked_when_dropped() {
+    struct SleepsOnDrop;
+    impl Drop for SleepsOnDrop {
+        fn drop(&mut self) {
+            spindle_fiber::sleep();
+        }
+    }
+    if is_child(SLEPT_PANICKING_CHILD) {
+        no_core_dumps();
+        let before = spindle_fiber::leaked_stacks();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("sleeps-in-cleanup")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                let _s = SleepsOnDrop;
+                panic!("the unwind that runs the sleeping destructor");
+            })
+            .unwrap();
+        // The panic hook reports the panic; the destructor then sleeps.
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+        drop(fiber);
+        eprintln!("child leaked: {}", spindle_fiber::leaked_stacks() - before);
+        return;
+    }
+    let out = run_child(SLEPT_PANICKING_CHILD, 60);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(stderr.contains("child leaked: 1"), "{}", describe(&out));
+    assert!(
+        stderr.contains("'sleeps-in-cleanup'")
+            && stderr.contains("asleep in a wait it began during an unwind"),
+        "{}",
+        describe(&out)
+    );
+}
