@@ -199,27 +199,24 @@ pub(crate) fn defer_last(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>))
     if SCOPES.try_with(|s| s.depth.get()).unwrap_or(0) == 0 {
         return false;
     }
-    defer_last_slow(h, finish)
+    defer_last_slow(h, finish);
+    true
 }
 
-/// [`defer_last`] with a scope open: out of line.
+/// [`defer_last`] with a scope open (just checked, on this thread):
+/// queues the release, allocating the list on the scope's first one.
 #[cold]
 #[inline(never)]
-fn defer_last_slow(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) -> bool {
-    SCOPES
-        .try_with(|s| {
-            if s.depth.get() == 0 {
-                return false;
-            }
-            let mut list = s.deferred.get();
-            if list.is_null() {
-                list = Box::into_raw(Box::default());
-                s.deferred.set(list);
-            }
-            // SAFETY: the thread's own list, reached only through this
-            // thread-local and never while another access holds it.
-            unsafe { (*list).push_back((h, finish)) };
-            true
-        })
-        .unwrap_or(false)
+fn defer_last_slow(h: NonNull<Header>, finish: unsafe fn(NonNull<Header>)) {
+    // Reachable: `defer_last` has just read it on this thread.
+    let _ = SCOPES.try_with(|s| {
+        let mut list = s.deferred.get();
+        if list.is_null() {
+            list = Box::into_raw(Box::default());
+            s.deferred.set(list);
+        }
+        // SAFETY: the thread's own list, reached only through this
+        // thread-local and never while another access holds it.
+        unsafe { (*list).push_back((h, finish)) };
+    });
 }
