@@ -714,6 +714,22 @@ impl<T: Send> JoinHandle<T> {
                 crate::ops::check_cancel();
                 task.done.acquire_for(&JOINING);
                 crate::ops::check_cancel();
+            } else if crate::worker::current_worker().is_some_and(|w| {
+                Arc::ptr_eq(&w.shared, &self.shared) && w.shared.shutdown.load(Ordering::Acquire)
+            }) {
+                // A worker of the task's own executor, shutting down, in a
+                // fiber it unwinds because it was dropped (or outside any
+                // fiber): waiting would block the thread that shutdown needs
+                // to complete the task (the one worker, or every worker's
+                // drain), for good. Shutdown cancels the task: say so now.
+                // (Found by the randomized shutdown stress test: a fiber run
+                // by hand, dropped while it slept in a join, was released by
+                // that join's wake on its worker, and the join in its
+                // destructor blocked the only worker.)
+                return Err(JoinError::Cancelled {
+                    fiber: spindle_fiber::FiberId::from_u64(task.started_fiber.load(Ordering::Acquire)),
+                    name: task.name.clone(),
+                });
             } else {
                 // A blocked thread: visible to deadlock detection.
                 self.shared.blocked_joiners.lock().push(task.clone());

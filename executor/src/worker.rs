@@ -544,6 +544,12 @@ impl Worker {
         // panic's payload), whose `Drop` is user code that may block (even
         // join another task).
         let _busy = BusyOutsideFiber::new(self.me());
+        // A task the final drain completed early (its fiber went on to
+        // finish its unwind; see `drain`) is complete already.
+        if task.finished.load(Ordering::Acquire) {
+            drop(task);
+            return;
+        }
         let c = &self.me().hot.counters;
         if matches!(err, Some(JoinError::Cancelled { .. })) {
             WorkerCounters::bump(&c.cancelled);
@@ -673,6 +679,9 @@ impl Worker {
         // unwind it on: its stack leaked and its destructors never ran.
         loop {
             self.drain_inbox();
+            if self.run_unwinding() {
+                continue;
+            }
             let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
             // One scope for the whole pass: a fiber released anywhere in it
             // (one woken for the value an abandoned fiber hands on and
@@ -702,11 +711,29 @@ impl Worker {
                 // would otherwise block this thread for good (that task is
                 // completed only by this loop).
                 for fiber in &fibers {
-                    if fiber.sched_data() != 0 {
-                        let task = take_task(fiber);
-                        let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
-                        self.complete(task, Some(err));
+                    let raw = fiber.sched_data();
+                    if raw == 0 {
+                        continue;
                     }
+                    // A fiber asleep in a wait it began while its thread was
+                    // panicking (a destructor that waits during its unwind)
+                    // keeps its task: if the wait ends (a join of a task
+                    // completed here), `run_unwinding` runs it to the end,
+                    // as a task of this shut-down executor, since dropping it
+                    // cannot unwind it (its stack would be leaked, its
+                    // remaining destructors never run). Its joiners are told
+                    // now; its end (`finish`, or `cancel_orphan` for a wake
+                    // after the inboxes closed) takes the task and finds it
+                    // complete. Never woken, its stack leaks when released,
+                    // with the task reference held on it and in its word.
+                    let task = if fiber.slept_while_panicking() {
+                        // SAFETY: the sched word holds a counted reference.
+                        unsafe { TaskRef::clone_raw(raw) }
+                    } else {
+                        take_task(fiber)
+                    };
+                    let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
+                    self.complete(task, Some(err));
                 }
                 drop(std::mem::take(&mut fibers));
                 false
@@ -723,6 +750,43 @@ impl Worker {
             }
         }
         self.cache.clear();
+    }
+
+    /// In the final drain, runs the woken fibers that are in the middle of
+    /// an unwind (a destructor that waited or yielded during a panic or
+    /// their cancel unwind, e.g. a join of a task the drain has just
+    /// completed as cancelled) instead of dropping them: a forced unwind
+    /// would start inside that destructor's cleanup, which aborts the
+    /// process (spindle-fiber leaks such a stack instead, and the rest of
+    /// its destructors never run). Run, the wait returns (the join says
+    /// `Cancelled`) and the unwind finishes on the fiber's own stack; a
+    /// fiber that waits again is handled by the next pass. Returns whether
+    /// it ran any (they may have woken others).
+    fn run_unwinding(&mut self) -> bool {
+        let unwinding = |f: &Task| {
+            let raw = f.sched_data();
+            // SAFETY: the sched word holds a counted reference to the task
+            // while it is not 0 (see `run_one`).
+            raw != 0
+                && (f.slept_while_panicking()
+                    || unsafe { TaskRef::borrow_raw(raw) }.unwinding.load(Ordering::Relaxed))
+        };
+        let mut run = Vec::new();
+        for q in &mut self.resumed {
+            let mut i = 0;
+            while i < q.len() {
+                if unwinding(&q[i]) {
+                    run.extend(q.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        let ran = !run.is_empty();
+        for fiber in run {
+            self.run_one(Next::Resumed(fiber));
+        }
+        ran
     }
 
     /// Drops the jobs left in this worker's queues; returns whether there
@@ -868,6 +932,10 @@ pub(crate) fn cancel_orphan(fiber: &Task, orphans: &AtomicU64) {
         return;
     }
     let task = take_task(fiber);
+    if task.finished.load(Ordering::Acquire) {
+        // Completed by the final drain already (see `drain`).
+        return;
+    }
     let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
     orphans.fetch_add(1, Ordering::Release);
     task.complete(Some(err));

@@ -897,3 +897,187 @@ fn a_joiner_released_by_the_drain_joins_another_drained_task() {
         drop(exec);
     });
 }
+
+/// A cancelled fiber whose destructor joins a task that only the final
+/// drain completes (asleep in a plain wait nobody signals) sleeps in that
+/// join during its cancel unwind. The drain completes the joined task,
+/// which wakes the joiner, and then runs it to the end of its unwind
+/// instead of dropping it: dropped, it could not be unwound (a second
+/// unwind from inside a destructor running during cleanup aborts the
+/// process), so its stack was leaked and the rest of its destructors never
+/// ran. (Found by the randomized shutdown stress test, seed 66; before
+/// that it aborted the process.) With one worker and with two, where the
+/// joined task's completion wakes the joiner into another worker's inbox.
+#[test]
+fn a_destructor_joining_during_the_cancel_unwind_finishes_its_unwind_in_the_final_drain() {
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<Option<()>>>, Flag);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let joined = self.0.take().unwrap().join();
+            assert!(
+                matches!(joined, Err(spindle_executor::JoinError::Cancelled { .. })),
+                "the joined task is completed as cancelled: {joined:?}"
+            );
+            self.1.set();
+        }
+    }
+    watchdog(
+        "a_destructor_joining_during_the_cancel_unwind_finishes_its_unwind_in_the_final_drain",
+        120,
+        |stage| {
+            for (round, (workers, stuck_on, joiner_on)) in
+                [(1, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)].into_iter().cycle().take(12).enumerate()
+            {
+                stage.set(format!("round {round}: {workers} workers, setting up"));
+                let exec = Executor::builder().workers(workers).max_workers(workers).build();
+                let stuck = Arc::new(Semaphore::new(0));
+                let a = {
+                    let stuck = stuck.clone();
+                    spawn_on(&exec, stuck_on, move || stuck.acquire())
+                };
+                let (asleep, joined, unwound) = (Flag::new(), Flag::new(), Flag::new());
+                let c = {
+                    let guard = JoinsOnDrop(Some(a), joined.clone());
+                    let (asleep, unwound) = (asleep.clone(), unwound.on_drop());
+                    spawn_on(&exec, joiner_on, move || {
+                        // Dropped last: the unwind went past the guard's join.
+                        let _unwound = unwound;
+                        let _guard = guard;
+                        asleep.set();
+                        sleep(Duration::MAX);
+                    })
+                };
+                wait_for(&stage, "A asleep on the semaphore, C about to sleep", || {
+                    stuck.waiters() == 1 && asleep.is_set()
+                });
+                stage.set(format!("round {round}: dropping the executor (C's guard joins A in its unwind)"));
+                drop(exec);
+                assert!(joined.is_set(), "round {round}: the guard's join returned");
+                assert!(unwound.is_set(), "round {round}: C's unwind went on past the guard");
+                assert!(matches!(c.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
+            }
+        },
+    );
+}
+
+/// A fiber driven by hand inside a task, whose destructor joins a task
+/// that only the final drain completes (asleep in a plain wait nobody
+/// signals), is dropped (so unwound, unable to suspend) by its owner's
+/// cancel unwind at shutdown. Its join cannot sleep, and waiting as a
+/// thread would block the worker that shutdown needs: the join returns
+/// `Cancelled` at once (shutdown cancels the joined task). Before, the
+/// executor's drop hung, with one worker and with two. (Found by the
+/// randomized shutdown stress test, seed 3051.)
+#[test]
+fn a_join_in_a_dropped_hand_run_fiber_during_shutdown_does_not_block_the_worker() {
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<()>>, Flag);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let joined = self.0.take().unwrap().join();
+            assert!(
+                matches!(joined, Err(spindle_executor::JoinError::Cancelled { .. })),
+                "the joined task is cancelled by the shutdown: {joined:?}"
+            );
+            self.1.set();
+        }
+    }
+    watchdog("a_join_in_a_dropped_hand_run_fiber_during_shutdown_does_not_block_the_worker", 120, |stage| {
+        for (round, workers) in [1, 2].into_iter().cycle().take(8).enumerate() {
+            stage.set(format!("round {round}: {workers} workers, setting up"));
+            let exec = Executor::builder().workers(workers).max_workers(workers).build();
+            let stuck = Arc::new(Semaphore::new(0));
+            let s = {
+                let stuck = stuck.clone();
+                exec.spawn(move || stuck.acquire())
+            };
+            let (ran, joined) = (Flag::new(), Flag::new());
+            let t = {
+                let (ran, guard) = (ran.clone(), JoinsOnDrop(Some(s), joined.clone()));
+                exec.spawn(move || {
+                    let f = spindle_fiber::Fiber::<()>::new(spindle_fiber::FiberAttr::new()).unwrap();
+                    f.set_function(Priority::NORMAL, move || {
+                        let _guard = guard;
+                        spindle_fiber::yield_now();
+                    })
+                    .unwrap();
+                    assert!(matches!(f.run(), Ok(spindle_fiber::RunOutcome::Yielded(_))));
+                    ran.set();
+                    // Cancelled by the shutdown: the unwind drops `f`.
+                    sleep(Duration::MAX);
+                })
+            };
+            wait_for(&stage, "S asleep on the semaphore, the hand-run fiber suspended", || {
+                stuck.waiters() == 1 && ran.is_set()
+            });
+            stage.set(format!("round {round}: dropping the executor (the dropped fiber's guard joins S)"));
+            drop(exec);
+            assert!(joined.is_set(), "round {round}: the guard's join returned");
+            assert!(matches!(t.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
+        }
+    });
+}
+
+/// On one worker, a fiber whose destructor joins during a panic's unwind
+/// leaves the thread panicking (std counts panics per thread); a second
+/// fiber that then sleeps in a join looks, to spindle-fiber, as if it had
+/// gone to sleep mid-unwind, and dropping it would leak it. Both joins
+/// wait for tasks asleep in plain waits that only the final drain
+/// completes. The drain runs both to the end: the first finishes its
+/// unwind, the second unwinds as cancelled at its join (not in the
+/// `sleep` after it, which, run without its task, slept the worker
+/// thread: seed 81 of the randomized shutdown stress test).
+#[test]
+fn a_fiber_that_slept_while_another_was_stuck_mid_unwind_is_unwound_in_the_final_drain() {
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<()>>);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.take().unwrap().join();
+        }
+    }
+    watchdog(
+        "a_fiber_that_slept_while_another_was_stuck_mid_unwind_is_unwound_in_the_final_drain",
+        120,
+        |stage| {
+            for round in 0..5 {
+                stage.set(format!("round {round}: setting up"));
+                let exec = Executor::builder().workers(1).max_workers(1).build();
+                let stuck = Arc::new(Semaphore::new(0));
+                let stuck_task = || {
+                    let stuck = stuck.clone();
+                    exec.spawn(move || stuck.acquire())
+                };
+                let (a1, a2) = (stuck_task(), stuck_task());
+                let (c_unwound, b_unwound, b_slept) = (Flag::new(), Flag::new(), Flag::new());
+                let c = {
+                    let (guard, unwound) = (JoinsOnDrop(Some(a1)), c_unwound.on_drop());
+                    exec.spawn(move || {
+                        let _unwound = unwound;
+                        let _guard = guard;
+                        panic!("a panic whose unwind joins a task that never finishes");
+                    })
+                };
+                let b = {
+                    let (unwound, slept) = (b_unwound.on_drop(), b_slept.clone());
+                    exec.spawn(move || {
+                        let _unwound = unwound;
+                        slept.set();
+                        let _ = a2.join();
+                        sleep(Duration::from_secs(3600));
+                    })
+                };
+                wait_for(&stage, "both stuck tasks asleep, B in its join", || {
+                    stuck.waiters() == 2 && b_slept.is_set()
+                });
+                stage.set(format!("round {round}: dropping the executor"));
+                drop(exec);
+                assert!(c_unwound.is_set(), "round {round}: C's unwind went on past its guard's join");
+                assert!(b_unwound.is_set(), "round {round}: B was unwound");
+                // The drain completes both tasks (as cancelled) before it
+                // runs their fibers on: a joiner cannot wait for a fiber
+                // that may never be woken.
+                assert!(matches!(c.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
+                assert!(matches!(b.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
+            }
+        },
+    );
+}

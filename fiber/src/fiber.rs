@@ -1544,6 +1544,46 @@ impl<T> Fiber<T> {
         self.header().wait_site()
     }
 
+    /// Whether the fiber's last sleep began while its thread was
+    /// panicking: a destructor that waits during an unwind (its own, or
+    /// one the unwind of its drop runs). Cleared by
+    /// [`set_function`](Fiber::set_function).
+    ///
+    /// Such a fiber cannot be unwound by dropping it while it is still
+    /// suspended: a second unwind starting inside a destructor that runs
+    /// during cleanup aborts the process, so dropping its last handle
+    /// leaks its stack instead (counted by
+    /// [`leaked_stacks`](crate::leaked_stacks)) and the rest of its
+    /// destructors never run. A scheduler that shuts down should run it
+    /// (once something wakes it) until it finishes, not drop it.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    ///
+    /// struct SleepsOnDrop;
+    /// impl Drop for SleepsOnDrop {
+    ///     fn drop(&mut self) {
+    ///         spindle_fiber::sleep(); // waits for a wake, here during a panic
+    ///     }
+    /// }
+    ///
+    /// let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    /// fiber
+    ///     .set_function(Priority::NORMAL, || {
+    ///         let _s = SleepsOnDrop;
+    ///         panic!("unwinds through a destructor that sleeps");
+    ///     })
+    ///     .unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    /// assert!(fiber.slept_while_panicking());
+    /// // Woken and run to the end, not dropped: its unwind finishes.
+    /// fiber.waiter().wake();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Panicked(_))));
+    /// ```
+    pub fn slept_while_panicking(&self) -> bool {
+        self.header().slept_panicking.load(Ordering::Relaxed)
+    }
+
     /// Interrupts the fiber's current or next interruptible wait, as
     /// [`Waiter::interrupt`](crate::Waiter::interrupt) does: marks an
     /// interrupt pending ([`set_interrupt`](Fiber::set_interrupt)) and wakes
