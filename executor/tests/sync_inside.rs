@@ -153,3 +153,48 @@ fn semaphore_between_a_thread_and_fibers() {
         assert_eq!(to_fibers.available() + to_thread.available(), 0);
     });
 }
+
+/// Executor fibers on two workers take turns on a `spindle_sync::Mutex`,
+/// holding it across yields; a cancelled fiber waiting in
+/// `lock_interruptible` gives up without the lock.
+#[test]
+fn mutex_between_fibers_held_across_yields_and_a_cancelled_waiter() {
+    watchdog("mutex_between_fibers_held_across_yields_and_a_cancelled_waiter", 60, |stage| {
+        const FIBERS: u64 = 8;
+        let rounds = size(200, 2_000) as u64;
+        let exec = Executor::builder().workers(2).build();
+        let counter = Arc::new(spindle_sync::Mutex::new(0u64));
+        stage.set(format!("{FIBERS} fibers x {rounds} increments across yields"));
+        let handles: Vec<_> = (0..FIBERS)
+            .map(|_| {
+                let counter = Arc::clone(&counter);
+                exec.spawn(move || {
+                    for _ in 0..rounds {
+                        let mut n = counter.lock();
+                        let seen = *n;
+                        spindle_executor::yield_now();
+                        *n = seen + 1;
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(*counter.lock(), FIBERS * rounds);
+
+        stage.set("a cancelled waiter");
+        let held = counter.lock();
+        let waiter = {
+            let counter = Arc::clone(&counter);
+            exec.spawn(move || counter.lock_interruptible().is_ok())
+        };
+        common::wait_for(&stage, "the waiter asleep on the lock", || counter.waiters() == 1);
+        waiter.cancel();
+        // The wait returned `Interrupted`; no cancellation point follows.
+        assert!(!waiter.join().unwrap(), "the cancelled waiter did not get the lock");
+        assert_eq!(counter.waiters(), 0);
+        drop(held);
+        assert!(!counter.is_locked());
+    });
+}

@@ -1,5 +1,5 @@
-//! Fiber-aware synchronisation: a counting [`Semaphore`] and unbounded
-//! [`Channel`]s of caller-owned messages.
+//! Fiber-aware synchronisation: a counting [`Semaphore`], a [`Mutex`] and
+//! unbounded [`Channel`]s of caller-owned messages.
 //!
 //! Waiters are fibers or ordinary threads. A fiber that has to wait goes to
 //! sleep ([`spindle_fiber::sleep`]) linked into the primitive's wait list
@@ -48,13 +48,14 @@
 //!
 //! # Interruptible waits
 //!
-//! [`Semaphore::acquire_interruptible`] and [`Channel::pop_interruptible`]
-//! end early, with [`Interrupted`] and nothing taken, when the waiting
-//! fiber is interrupted ([`spindle_fiber::Fiber::interrupt`],
+//! [`Semaphore::acquire_interruptible`], [`Mutex::lock_interruptible`]
+//! and [`Channel::pop_interruptible`] end early, with [`Interrupted`] and
+//! nothing taken, when the waiting fiber is interrupted
+//! ([`spindle_fiber::Fiber::interrupt`],
 //! [`spindle_fiber::Waiter::interrupt`]). That is how a wait is given up:
 //! `spindle-executor`'s `JoinHandle::cancel` interrupts them, its
 //! `interrupt_after` gives them a timeout, and a scheduler or a timer of
-//! your own can interrupt them too. The plain `acquire` and `pop`
+//! your own can interrupt them too. The plain `acquire`, `lock` and `pop`
 //! are not interrupted (an interrupt stays pending for the next
 //! interruptible wait). Threads are not interrupted. A fiber being dropped
 //! (a destructor run by the unwind of its suspended stack: `may_sleep()`
@@ -78,9 +79,19 @@
 //! ```
 //! fn assert_send_sync<T: Send + Sync>() {}
 //! assert_send_sync::<spindle_sync::Semaphore>();
+//! assert_send_sync::<spindle_sync::Mutex<String>>();
+//! assert_send_sync::<spindle_sync::MutexGuard<'static, String>>();
 //! assert_send_sync::<spindle_sync::RawChannel>();
 //! assert_send_sync::<spindle_sync::Channel<String>>();
 //! assert_send_sync::<spindle_sync::Msg<String>>();
+//! ```
+//!
+//! A mutex of a `!Send` value cannot be shared, since its holders may be
+//! on any thread:
+//!
+//! ```compile_fail,E0277
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<spindle_sync::Mutex<std::rc::Rc<u8>>>();
 //! ```
 //!
 //! A channel of `!Send` values cannot be shared, since its messages would
@@ -139,9 +150,11 @@ macro_rules! warn {
 }
 
 mod channel;
+mod mutex;
 mod semaphore;
 mod wait;
 
 pub use channel::{Channel, Msg, MsgHeader, RawChannel};
+pub use mutex::{Mutex, MutexGuard};
 pub use semaphore::Semaphore;
 pub use wait::Interrupted;

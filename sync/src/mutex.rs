@@ -1,0 +1,255 @@
+//! A mutual-exclusion lock for fibers and threads.
+
+use std::cell::UnsafeCell;
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+use spindle_fiber::WaitReason;
+
+use crate::semaphore::Semaphore;
+use crate::wait::Interrupted;
+
+static WAIT_REASON: WaitReason = WaitReason("a mutex");
+
+/// A mutual-exclusion lock whose waiters are fibers (which sleep and are
+/// pushed back on their run queue when the lock is handed to them) or
+/// ordinary threads (which park).
+///
+/// It is a [`Semaphore`] of one token and a value: the same wait list, the
+/// same wake, no allocation. Unlike `std::sync::Mutex`, a fiber that waits
+/// for it gives up its thread to other fibers instead of blocking it,
+/// and a guard may be held across a suspension (a yield, a sleep, another
+/// wait): a `std` mutex held there blocks every other fiber of the thread
+/// that wants it, for good if the holder can only be resumed by that same
+/// thread.
+///
+/// * **Fair.** Waiters get the lock in FIFO order, fibers and threads
+///   alike: unlocking hands the lock to the first waiter directly, so a
+///   fiber that locks again at once cannot take it back first.
+/// * **Not poisoned.** A panic while the lock is held unlocks it as the
+///   guard is dropped by the unwind, and the next holder sees whatever
+///   the panicking code left (as with `parking_lot` and tokio, unlike
+///   `std`). Keep the value consistent at every point that can panic, or
+///   catch the panic while holding the guard.
+/// * **Not reentrant.** A fiber or thread that locks a mutex it holds
+///   waits for itself for ever.
+/// * **Dropped fibers.** A fiber that cannot sleep (its stack is being
+///   unwound after its last handle was dropped:
+///   [`may_sleep`](spindle_fiber::may_sleep) is false) waits like a
+///   thread in [`lock`](Mutex::lock), blocking the dropping thread until
+///   the lock is free; [`lock_interruptible`](Mutex::lock_interruptible)
+///   does not wait there. A waiting fiber handed the lock and then
+///   leaked instead of unwound (a pinned fiber whose last handle is
+///   dropped on another thread, see `spindle_fiber`) takes the lock with
+///   it: the mutex stays locked, as a semaphore keeps such a token.
+///
+/// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
+/// use std::sync::Arc;
+/// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority};
+/// use spindle_run_queue::RunQueue;
+/// use spindle_sync::Mutex;
+///
+/// let log = Arc::new(Mutex::new(Vec::new()));
+/// let queue = RunQueue::new(4);
+/// for name in ["a", "b"] {
+///     let log = log.clone();
+///     let fiber = Fiber::new(FiberAttr::new()).unwrap();
+///     fiber.set_function(Priority::NORMAL, move || {
+///         let mut entries = log.lock();
+///         entries.push(format!("{name} 1"));
+///         yield_now(); // still holding the lock: the other fiber waits
+///         entries.push(format!("{name} 2"));
+///     }).unwrap();
+///     queue.try_push(fiber).unwrap();
+/// }
+/// while queue.run_next().is_some() {}
+/// assert_eq!(*log.lock(), ["a 1", "a 2", "b 1", "b 2"]);
+/// ```
+pub struct Mutex<T: ?Sized> {
+    lock: Semaphore,
+    value: UnsafeCell<T>,
+}
+
+// SAFETY: the mutex gives out `&mut T` to one holder at a time, on any
+// thread: `T` must be `Send` (as for `std::sync::Mutex`), never `Sync`.
+unsafe impl<T: ?Sized + Send> Send for Mutex<T> {}
+// SAFETY: as above.
+unsafe impl<T: ?Sized + Send> Sync for Mutex<T> {}
+
+impl<T> Mutex<T> {
+    /// An unlocked mutex holding `value`.
+    pub const fn new(value: T) -> Mutex<T> {
+        Mutex { lock: Semaphore::new(1), value: UnsafeCell::new(value) }
+    }
+
+    /// The value, taken out of the mutex.
+    pub fn into_inner(self) -> T {
+        self.value.into_inner()
+    }
+}
+
+impl<T: ?Sized> Mutex<T> {
+    /// Locks the mutex, waiting until it is free: a fiber sleeps, a thread
+    /// parks. Unlocked when the guard is dropped.
+    #[track_caller]
+    #[inline]
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        self.lock.acquire_for(&WAIT_REASON);
+        MutexGuard { mutex: self }
+    }
+
+    /// Like [`lock`](Mutex::lock), but a fiber's wait ends early if the
+    /// fiber is interrupted ([`Fiber::interrupt`], [`Waiter::interrupt`]; in
+    /// `spindle-executor`, a cancel or an `interrupt_after` deadline), as
+    /// [`Semaphore::acquire_interruptible`] does. A thread waits as in
+    /// `lock`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+    /// use spindle_sync::{Interrupted, Mutex};
+    ///
+    /// let mutex = Arc::new(Mutex::new(0));
+    /// let held = mutex.lock();
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// let m = mutex.clone();
+    /// fiber.set_function(Priority::NORMAL, move || m.lock_interruptible().is_err()).unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    /// fiber.interrupt(); // e.g. a timeout
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(true))));
+    /// drop(held);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Interrupted`] if the fiber was interrupted before it got the
+    /// lock, or, with the lock held, at once in a fiber being dropped.
+    ///
+    /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
+    /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
+    #[track_caller]
+    #[inline]
+    pub fn lock_interruptible(&self) -> Result<MutexGuard<'_, T>, Interrupted> {
+        self.lock.acquire_interruptible()?;
+        Ok(MutexGuard { mutex: self })
+    }
+
+    /// Locks the mutex if it is free now (and nobody waits for it).
+    ///
+    /// ```
+    /// use spindle_sync::Mutex;
+    ///
+    /// let mutex = Mutex::new(1);
+    /// let guard = mutex.try_lock().unwrap();
+    /// assert!(mutex.try_lock().is_none());
+    /// drop(guard);
+    /// assert_eq!(*mutex.try_lock().unwrap(), 1);
+    /// ```
+    #[must_use = "try_lock may fail, and the lock is released when the guard is dropped"]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        self.lock.try_acquire().then_some(MutexGuard { mutex: self })
+    }
+
+    /// The value, through `&mut` (no lock needed: nobody else can hold
+    /// it).
+    pub fn get_mut(&mut self) -> &mut T {
+        self.value.get_mut()
+    }
+
+    /// Whether the mutex is locked now (a snapshot).
+    pub fn is_locked(&self) -> bool {
+        self.lock.available() == 0
+    }
+
+    /// How many fibers and threads wait for the lock now (a snapshot).
+    pub fn waiters(&self) -> usize {
+        self.lock.waiters()
+    }
+}
+
+impl<T: Default> Default for Mutex<T> {
+    fn default() -> Mutex<T> {
+        Mutex::new(T::default())
+    }
+}
+
+impl<T> From<T> for Mutex<T> {
+    fn from(value: T) -> Mutex<T> {
+        Mutex::new(value)
+    }
+}
+
+impl<T: ?Sized + fmt::Debug> fmt::Debug for Mutex<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Mutex");
+        match self.try_lock() {
+            Some(guard) => d.field("value", &&*guard),
+            None => d.field("value", &format_args!("<locked>")),
+        };
+        d.field("waiters", &self.waiters()).finish()
+    }
+}
+
+/// The lock on a [`Mutex`], held until dropped; gives access to the value.
+///
+/// It may be held across a suspension of the fiber, and sent to another
+/// thread when `T` is `Send + Sync`: unlocking from another thread is
+/// fine (the lock is a semaphore token, not a thread's). A guard of a
+/// `!Send` value cannot move:
+///
+/// ```compile_fail,E0277
+/// fn assert_send<T: Send>() {}
+/// assert_send::<spindle_sync::MutexGuard<'static, std::rc::Rc<u8>>>();
+/// ```
+#[must_use = "if unused the Mutex will immediately unlock"]
+pub struct MutexGuard<'a, T: ?Sized> {
+    mutex: &'a Mutex<T>,
+}
+
+// SAFETY: the guard gives out `&T` through `&MutexGuard`.
+unsafe impl<T: ?Sized + Sync> Sync for MutexGuard<'_, T> {}
+// SAFETY: moving the guard moves the `&mut T` it gives out (`T: Send`) and
+// its `&T` (`T: Sync`, as `&MutexGuard` does); the unlock itself may
+// happen on any thread.
+unsafe impl<T: ?Sized + Send + Sync> Send for MutexGuard<'_, T> {}
+
+impl<T: ?Sized> Deref for MutexGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the mutex's one token: no other guard
+        // exists, and `&self` keeps `&mut` access out of reach meanwhile.
+        unsafe { &*self.mutex.value.get() }
+    }
+}
+
+impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`, with `&mut self`.
+        unsafe { &mut *self.mutex.value.get() }
+    }
+}
+
+impl<T: ?Sized> Drop for MutexGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // Hands the lock to the first waiter, if any.
+        self.mutex.lock.release(1);
+    }
+}
+
+impl<T: ?Sized + fmt::Debug> fmt::Debug for MutexGuard<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
+    }
+}
+
+impl<T: ?Sized + fmt::Display> fmt::Display for MutexGuard<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&**self, f)
+    }
+}
