@@ -28,6 +28,14 @@
 //!   run queue on one thread, against `may` with one worker and tokio
 //!   current-thread `yield_now`. One iteration is one yield (one switch
 //!   from one fiber to the other).
+//! * `mutex_uncontended`: lock and unlock on one thread with nobody
+//!   waiting, against `std::sync::Mutex`, `parking_lot::Mutex` and tokio's
+//!   `Mutex` (inside one `block_on`). One iteration is one lock+unlock.
+//! * `mutex_handoff`: two fibers on one thread each lock, yield while
+//!   holding the lock, and unlock, so every lock waits and every unlock
+//!   hands the lock to the other fiber; against tokio current-thread
+//!   (`Mutex`, `yield_now` while holding) and `may` with one worker
+//!   (`may::sync::Mutex`). One iteration is one hand-off.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -640,6 +648,140 @@ fn yield_alternation(c: &mut Criterion) {
     g.finish();
 }
 
+fn mutex_uncontended(c: &mut Criterion) {
+    let mut g = c.benchmark_group("mutex_uncontended");
+
+    g.bench_function("spindle", |b| {
+        let m = spindle_sync::Mutex::new(0u64);
+        b.iter(|| *black_box(&m).lock() += 1);
+    });
+
+    g.bench_function("std_mutex", |b| {
+        let m = std::sync::Mutex::new(0u64);
+        b.iter(|| *black_box(&m).lock().unwrap() += 1);
+    });
+
+    g.bench_function("parking_lot_mutex", |b| {
+        let m = Mutex::new(0u64);
+        b.iter(|| *black_box(&m).lock() += 1);
+    });
+
+    g.bench_function("tokio_mutex", |b| {
+        let rt = tokio_current_thread();
+        b.iter_custom(|iters| {
+            rt.block_on(async move {
+                let m = tokio::sync::Mutex::new(0u64);
+                let start = Instant::now();
+                for _ in 0..iters {
+                    *black_box(&m).lock().await += 1;
+                }
+                start.elapsed()
+            })
+        });
+    });
+
+    g.finish();
+}
+
+fn mutex_handoff(c: &mut Criterion) {
+    let mut g = c.benchmark_group("mutex_handoff");
+
+    // Each side locks `iters` times; every lock but the first waits for
+    // the other side's unlock: 2 * iters hand-offs, so one iteration (one
+    // hand-off) is half the elapsed time.
+    g.bench_function("spindle", |b| {
+        let q = RunQueue::<u64>::new(4);
+        let m = Arc::new(spindle_sync::Mutex::new(0u64));
+        b.iter_custom(|iters| {
+            let (first, second) = two_fibers();
+            let m1 = m.clone();
+            first
+                .set_function(Priority::NORMAL, move || {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let mut n = m1.lock();
+                        yield_now();
+                        *n += 1;
+                    }
+                    nanos_since(start)
+                })
+                .unwrap();
+            let m2 = m.clone();
+            second
+                .set_function(Priority::NORMAL, move || {
+                    for _ in 0..iters {
+                        let mut n = m2.lock();
+                        yield_now();
+                        *n += 1;
+                    }
+                    0
+                })
+                .unwrap();
+            q.try_push(first).unwrap();
+            q.try_push(second).unwrap();
+            Duration::from_nanos(drain(&q)) / 2
+        });
+    });
+
+    g.bench_function("tokio_current_thread", |b| {
+        let rt = tokio_current_thread();
+        b.iter_custom(|iters| {
+            rt.block_on(async move {
+                let m = Arc::new(tokio::sync::Mutex::new(0u64));
+                let m1 = m.clone();
+                let first = tokio::spawn(async move {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let mut n = m1.lock().await;
+                        tokio::task::yield_now().await;
+                        *n += 1;
+                    }
+                    start.elapsed()
+                });
+                let second = tokio::spawn(async move {
+                    for _ in 0..iters {
+                        let mut n = m.lock().await;
+                        tokio::task::yield_now().await;
+                        *n += 1;
+                    }
+                });
+                second.await.unwrap();
+                first.await.unwrap() / 2
+            })
+        });
+    });
+
+    g.bench_function("may_1_worker", |b| {
+        may::config().set_workers(1);
+        b.iter_custom(|iters| {
+            let m = Arc::new(may::sync::Mutex::new(0u64));
+            let m1 = m.clone();
+            // may's `go!` is unsafe to call inside: the coroutines keep no
+            // thread-local references across their suspensions.
+            let first = may::go!(move || {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let mut n = m1.lock().unwrap();
+                    may::coroutine::yield_now();
+                    *n += 1;
+                }
+                start.elapsed()
+            });
+            let second = may::go!(move || {
+                for _ in 0..iters {
+                    let mut n = m.lock().unwrap();
+                    may::coroutine::yield_now();
+                    *n += 1;
+                }
+            });
+            second.join().unwrap();
+            first.join().unwrap() / 2
+        });
+    });
+
+    g.finish();
+}
+
 fn config() -> Criterion {
     // Two noisy cores: many samples, long measurements; medians are quoted.
     Criterion::default()
@@ -653,6 +795,6 @@ criterion_group! {
     name = benches;
     config = config();
     targets = push_pop_1thread, push_pop_2threads, semaphore_ping_pong, channel_ping_pong,
-        channel_ping_pong_2threads, yield_alternation
+        channel_ping_pong_2threads, yield_alternation, mutex_uncontended, mutex_handoff
 }
 criterion_main!(benches);

@@ -3,11 +3,12 @@
 use std::cell::UnsafeCell;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
+use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use spindle_fiber::WaitReason;
 
-use crate::semaphore::Semaphore;
-use crate::wait::Interrupted;
+use crate::wait::{wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a mutex");
 
@@ -15,13 +16,14 @@ static WAIT_REASON: WaitReason = WaitReason("a mutex");
 /// pushed back on their run queue when the lock is handed to them) or
 /// ordinary threads (which park).
 ///
-/// It is a [`Semaphore`] of one token and a value: the same wait list, the
-/// same wake, no allocation. Unlike `std::sync::Mutex`, a fiber that waits
-/// for it gives up its thread to other fibers instead of blocking it,
-/// and a guard may be held across a suspension (a yield, a sleep, another
-/// wait): a `std` mutex held there blocks every other fiber of the thread
-/// that wants it, for good if the holder can only be resumed by that same
-/// thread.
+/// It waits as a [`Semaphore`](crate::Semaphore) does (the same wait
+/// list, the same wake, no allocation), behind a state word that locks
+/// and unlocks with one atomic instruction each while nobody waits.
+/// Unlike `std::sync::Mutex`, a fiber that waits for it gives up its
+/// thread to other fibers instead of blocking it, and a guard may be held
+/// across a suspension (a yield, a sleep, another wait): a `std` mutex
+/// held there blocks every other fiber of the thread that wants it, for
+/// good if the holder can only be resumed by that same thread.
 ///
 /// * **Fair.** Waiters get the lock in FIFO order, fibers and threads
 ///   alike: unlocking hands the lock to the first waiter directly, so a
@@ -71,8 +73,85 @@ static WAIT_REASON: WaitReason = WaitReason("a mutex");
 /// assert_eq!(*log.lock(), ["a 1", "a 2", "b 1", "b 2"]);
 /// ```
 pub struct Mutex<T: ?Sized> {
-    lock: Semaphore,
+    /// [`LOCKED`] and [`WAITERS`] bits.
+    state: AtomicUsize,
+    waiters: parking_lot::Mutex<Waiters>,
     value: UnsafeCell<T>,
+}
+
+/// The state word's bit: held.
+const LOCKED: usize = 1;
+/// The state word's bit: a waiter is linked, or about to be (set under the
+/// waiters' lock): an unlock must take the slow path and hand the lock on.
+/// May be left set with nobody linked (a waiter interrupted); the next
+/// unlock clears it.
+const WAITERS: usize = 2;
+
+/// Lock-guarded state: fibers and threads waiting for the lock, FIFO.
+struct Waiters {
+    list: WaitList,
+}
+
+/// Under the waiters' lock: takes the lock if it is free, else sets
+/// [`WAITERS`] (locker step 2). One compare-and-swap decides between the
+/// two against an unlock's fast path (which succeeds only from exactly
+/// [`LOCKED`]): either the unlock comes first and this takes the lock, or
+/// the bit is set first and the unlock takes the slow path, which needs
+/// the waiters' lock, held here until the waiter is linked.
+fn take_or_mark(state: &AtomicUsize) -> bool {
+    let mut s = state.load(Ordering::Relaxed);
+    loop {
+        let new = if s & LOCKED == 0 {
+            s | LOCKED
+        } else if s & WAITERS == 0 {
+            s | WAITERS
+        } else {
+            // Held, waiters marked already: the unlock's fast path cannot
+            // succeed (the word is not exactly LOCKED), so it takes the
+            // slow path, as above.
+            return false;
+        };
+        match state.compare_exchange_weak(s, new, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => return s & LOCKED == 0,
+            Err(now) => s = now,
+        }
+    }
+}
+
+/// Under the waiters' lock, for the holder (or for a woken waiter that
+/// will not take the lock: `give_back`): hands the lock to the first
+/// waiter, which then holds it (the state stays [`LOCKED`], so nobody can
+/// take it in between), or unlocks. Unlocker step 2.
+fn hand_on(w: &mut Waiters, state: &AtomicUsize) -> Option<Wakeup> {
+    // The state word's address goes with the lock, for `give_back`.
+    match w.list.pop_front(state as *const AtomicUsize as *mut ()) {
+        Some(wake) => {
+            if w.list.is_empty() {
+                // Nobody else may change the word meanwhile: lockers need
+                // the waiters' lock to set a bit, the fast paths need 0
+                // (lock) or exactly LOCKED (unlock, the holder's own).
+                state.store(LOCKED, Ordering::Relaxed);
+            }
+            Some(wake)
+        }
+        None => {
+            // Release: what the holder wrote is seen by the next locker.
+            state.store(0, Ordering::Release);
+            None
+        }
+    }
+}
+
+/// A woken waiter that will not take the lock (dropped before it ran
+/// again, or refused by its scheduler) gives it back: to the next waiter,
+/// or unlocked.
+fn give_back(w: &mut Waiters, value: *mut ()) -> Option<Wakeup> {
+    // SAFETY: `value` is the state word's address `hand_on` handed over;
+    // the mutex is alive and in place, borrowed by the frame that waits
+    // for it (this runs in that frame's unwind, or while it is suspended
+    // there: the wait hook).
+    let state = unsafe { &*(value as *const AtomicUsize) };
+    hand_on(w, state)
 }
 
 // SAFETY: the mutex gives out `&mut T` to one holder at a time, on any
@@ -84,7 +163,11 @@ unsafe impl<T: ?Sized + Send> Sync for Mutex<T> {}
 impl<T> Mutex<T> {
     /// An unlocked mutex holding `value`.
     pub const fn new(value: T) -> Mutex<T> {
-        Mutex { lock: Semaphore::new(1), value: UnsafeCell::new(value) }
+        Mutex {
+            state: AtomicUsize::new(0),
+            waiters: parking_lot::Mutex::new(Waiters { list: WaitList::new() }),
+            value: UnsafeCell::new(value),
+        }
     }
 
     /// The value, taken out of the mutex.
@@ -99,14 +182,61 @@ impl<T: ?Sized> Mutex<T> {
     #[track_caller]
     #[inline]
     pub fn lock(&self) -> MutexGuard<'_, T> {
-        self.lock.acquire_for(&WAIT_REASON);
+        // Locker step 1: free and nobody waiting.
+        if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            let _ = self.lock_slow::<false>();
+        }
         MutexGuard { mutex: self }
+    }
+
+    /// Locker steps 2 and 3: under the waiters' lock, takes the lock or
+    /// marks [`WAITERS`], then waits to be handed the lock
+    /// (DESIGN.md, "Mutex").
+    #[cold]
+    #[track_caller]
+    fn lock_slow<const INTERRUPTIBLE: bool>(&self) -> Result<(), Interrupted> {
+        let w = self.waiters.lock();
+        if take_or_mark(&self.state) {
+            return Ok(());
+        }
+        wait::<_, INTERRUPTIBLE>(
+            w,
+            |w| &mut w.list,
+            give_back,
+            // A waiter whose hand-over was taken back and that runs anyway
+            // starts over (the wait protocol's revoked case).
+            |_| take_or_mark(&self.state).then_some(ptr::null_mut()),
+            None,
+            &WAIT_REASON,
+        )
+        .map(drop)
+    }
+
+    /// Unlocks: hands the lock to the first waiter if there is one.
+    #[inline]
+    fn unlock(&self) {
+        // Unlocker step 1: nobody waiting. Release: what the holder wrote
+        // is seen by the next locker.
+        if self.state.compare_exchange(LOCKED, 0, Ordering::Release, Ordering::Relaxed).is_err() {
+            self.unlock_slow();
+        }
+    }
+
+    #[cold]
+    fn unlock_slow(&self) {
+        let mut w = self.waiters.lock();
+        let wake = hand_on(&mut w, &self.state);
+        drop(w);
+        // Unlocker step 3, after the lock is released.
+        if let Some(wake) = wake {
+            wake.deliver();
+        }
     }
 
     /// Like [`lock`](Mutex::lock), but a fiber's wait ends early if the
     /// fiber is interrupted ([`Fiber::interrupt`], [`Waiter::interrupt`]; in
     /// `spindle-executor`, a cancel or an `interrupt_after` deadline), as
-    /// [`Semaphore::acquire_interruptible`] does. A thread waits as in
+    /// [`Semaphore::acquire_interruptible`](crate::Semaphore::acquire_interruptible) does. A thread waits as in
     /// `lock`.
     ///
     /// ```
@@ -135,7 +265,9 @@ impl<T: ?Sized> Mutex<T> {
     #[track_caller]
     #[inline]
     pub fn lock_interruptible(&self) -> Result<MutexGuard<'_, T>, Interrupted> {
-        self.lock.acquire_interruptible()?;
+        if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            self.lock_slow::<true>()?;
+        }
         Ok(MutexGuard { mutex: self })
     }
 
@@ -152,7 +284,10 @@ impl<T: ?Sized> Mutex<T> {
     /// ```
     #[must_use = "try_lock may fail, and the lock is released when the guard is dropped"]
     pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
-        self.lock.try_acquire().then_some(MutexGuard { mutex: self })
+        self.state
+            .compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+            .then_some(MutexGuard { mutex: self })
     }
 
     /// The value, through `&mut` (no lock needed: nobody else can hold
@@ -163,12 +298,12 @@ impl<T: ?Sized> Mutex<T> {
 
     /// Whether the mutex is locked now (a snapshot).
     pub fn is_locked(&self) -> bool {
-        self.lock.available() == 0
+        self.state.load(Ordering::Relaxed) & LOCKED != 0
     }
 
     /// How many fibers and threads wait for the lock now (a snapshot).
     pub fn waiters(&self) -> usize {
-        self.lock.waiters()
+        self.waiters.lock().list.len()
     }
 }
 
@@ -199,7 +334,7 @@ impl<T: ?Sized + fmt::Debug> fmt::Debug for Mutex<T> {
 ///
 /// It may be held across a suspension of the fiber, and sent to another
 /// thread when `T` is `Send + Sync`: unlocking from another thread is
-/// fine (the lock is a semaphore token, not a thread's). A guard of a
+/// fine (the lock is a bit in a word, not a thread's). A guard of a
 /// `!Send` value cannot move:
 ///
 /// ```compile_fail,E0277
@@ -221,8 +356,7 @@ unsafe impl<T: ?Sized + Send + Sync> Send for MutexGuard<'_, T> {}
 impl<T: ?Sized> Deref for MutexGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        // SAFETY: the guard holds the mutex's one token: no other guard
-        // exists, and `&self` keeps `&mut` access out of reach meanwhile.
+        // SAFETY: the guard holds the lock: no other guard exists, and `&self` keeps `&mut` access out of reach meanwhile.
         unsafe { &*self.mutex.value.get() }
     }
 }
@@ -237,8 +371,7 @@ impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
 impl<T: ?Sized> Drop for MutexGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        // Hands the lock to the first waiter, if any.
-        self.mutex.lock.release(1);
+        self.mutex.unlock();
     }
 }
 

@@ -129,3 +129,194 @@ fn a_handed_message_is_the_receivers_once_it_sees_done() {
 fn a_mark_stored_after_done_can_overwrite_the_next_channels_link() {
     model(false);
 }
+
+/// Loom model of `Mutex`'s state word against its wait list
+/// (sync/src/mutex.rs: `lock`, `take_or_mark`, `unlock`, `hand_on`,
+/// `give_back`), mirrored line for line; the wait itself (link a node
+/// under the waiters' lock, then wait for `done`) is modelled with a
+/// parked thread, as the wait protocol's own steps are checked elsewhere.
+/// Every execution must give the lock to one holder at a time (a loom
+/// cell counts the holders' increments: overlapping holders are a data
+/// race), end unlocked with nobody linked, and leave no locker asleep (a
+/// lost wakeup is a deadlock, which loom reports).
+mod mutex_model {
+    use std::collections::VecDeque;
+
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    const LOCKED: usize = 1;
+    const WAITERS: usize = 2;
+
+    struct Node {
+        done: AtomicBool,
+        thread: thread::Thread,
+    }
+
+    pub(super) struct M {
+        state: AtomicUsize,
+        waiters: Mutex<VecDeque<Arc<Node>>>,
+        value: UnsafeCell<usize>,
+    }
+
+    /// How a locker that has to wait behaves once it is linked.
+    #[derive(Clone, Copy)]
+    pub(super) enum Waits {
+        /// Until handed the lock.
+        ForTheLock,
+        /// Gives up at once (an interrupt): unlinks itself unless it was
+        /// handed the lock already, which it then holds.
+        GivesUp,
+        /// Handed the lock, does not take it (a refused wake, or a fiber
+        /// dropped before it ran again): `give_back` hands it on.
+        RefusesTheHandOver,
+    }
+
+    impl M {
+        pub(super) fn new() -> M {
+            M { state: AtomicUsize::new(0), waiters: Mutex::new(VecDeque::new()), value: UnsafeCell::new(0) }
+        }
+
+        fn take_or_mark(&self) -> bool {
+            let mut s = self.state.load(Ordering::Relaxed);
+            loop {
+                let new = if s & LOCKED == 0 {
+                    s | LOCKED
+                } else if s & WAITERS == 0 {
+                    s | WAITERS
+                } else {
+                    return false;
+                };
+                match self.state.compare_exchange_weak(s, new, Ordering::Acquire, Ordering::Relaxed) {
+                    Ok(_) => return s & LOCKED == 0,
+                    Err(now) => s = now,
+                }
+            }
+        }
+
+        fn hand_on(&self, w: &mut VecDeque<Arc<Node>>) -> Option<Arc<Node>> {
+            match w.pop_front() {
+                Some(node) => {
+                    if w.is_empty() {
+                        self.state.store(LOCKED, Ordering::Relaxed);
+                    }
+                    node.done.store(true, Ordering::Release);
+                    Some(node)
+                }
+                None => {
+                    self.state.store(0, Ordering::Release);
+                    None
+                }
+            }
+        }
+
+        /// Returns whether the caller holds the lock.
+        pub(super) fn lock(&self, waits: Waits) -> bool {
+            if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return true;
+            }
+            let mut w = self.waiters.lock().unwrap();
+            if self.take_or_mark() {
+                return true;
+            }
+            let node = Arc::new(Node { done: AtomicBool::new(false), thread: thread::current() });
+            w.push_back(node.clone());
+            drop(w);
+            if let Waits::GivesUp = waits {
+                let mut w = self.waiters.lock().unwrap();
+                if !node.done.load(Ordering::Acquire) {
+                    let i = w.iter().position(|n| Arc::ptr_eq(n, &node)).expect("still linked");
+                    w.remove(i);
+                    return false;
+                }
+                return true;
+            }
+            while !node.done.load(Ordering::Acquire) {
+                thread::park();
+            }
+            if let Waits::RefusesTheHandOver = waits {
+                let mut w = self.waiters.lock().unwrap();
+                let wake = self.hand_on(&mut w);
+                drop(w);
+                if let Some(n) = wake {
+                    n.thread.unpark();
+                }
+                return false;
+            }
+            true
+        }
+
+        pub(super) fn unlock(&self) {
+            if self.state.compare_exchange(LOCKED, 0, Ordering::Release, Ordering::Relaxed).is_ok() {
+                return;
+            }
+            let mut w = self.waiters.lock().unwrap();
+            let wake = self.hand_on(&mut w);
+            drop(w);
+            if let Some(n) = wake {
+                n.thread.unpark();
+            }
+        }
+
+        /// The holder's work: an unsynchronised increment.
+        pub(super) fn bump(&self) {
+            // SAFETY: loom reports two holders' overlapping accesses.
+            self.value.with_mut(|v| unsafe { *v += 1 });
+        }
+
+        pub(super) fn check_end(&self, bumps: usize) {
+            // SAFETY: every other thread has been joined.
+            assert_eq!(self.value.with(|v| unsafe { *v }), bumps, "every holder's increment counted");
+            assert_eq!(self.state.load(Ordering::Relaxed), 0, "unlocked, no waiter mark left");
+            assert!(self.waiters.lock().unwrap().is_empty(), "nobody left linked");
+        }
+    }
+}
+
+/// The main thread holds the lock while a plain locker and one of each
+/// kind of waiter come, then unlocks; every holder bumps once.
+fn mutex_model(second: mutex_model::Waits) {
+    use mutex_model::{Waits, M};
+    let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(bound);
+    builder.check(move || {
+        let m = Arc::new(M::new());
+        assert!(m.lock(Waits::ForTheLock));
+        let lockers: Vec<_> = [Waits::ForTheLock, second]
+            .into_iter()
+            .map(|waits| {
+                let m = m.clone();
+                thread::spawn(move || {
+                    let held = m.lock(waits);
+                    if held {
+                        m.bump();
+                        m.unlock();
+                    }
+                    held
+                })
+            })
+            .collect();
+        m.bump();
+        m.unlock();
+        let held = lockers.into_iter().map(|t| usize::from(t.join().unwrap())).sum::<usize>();
+        m.check_end(1 + held);
+    });
+}
+
+#[test]
+fn mutex_two_lockers_behind_a_holder_each_get_the_lock_once() {
+    mutex_model(mutex_model::Waits::ForTheLock);
+}
+
+#[test]
+fn mutex_a_waiter_that_gives_up_leaves_the_lock_to_the_others() {
+    mutex_model(mutex_model::Waits::GivesUp);
+}
+
+#[test]
+fn mutex_a_refused_hand_over_goes_on_to_the_next_waiter() {
+    mutex_model(mutex_model::Waits::RefusesTheHandOver);
+}
