@@ -681,7 +681,12 @@ impl<T: Send> JoinHandle<T> {
     ///
     /// [`JoinError::Panicked`] if the fiber panicked,
     /// [`JoinError::Cancelled`] if it was cancelled or the executor shut down
-    /// before it finished, [`JoinError::NoStack`] if it never started
+    /// before it finished (a join that cannot sleep, in a fiber unwound
+    /// because it was dropped or outside any fiber, on a worker thread of
+    /// the task's own executor while it shuts down, says so at once for a
+    /// task not finished yet, even one that would still finish with a
+    /// value: blocking that worker could keep the shutdown from ever
+    /// completing the task), [`JoinError::NoStack`] if it never started
     /// because no stack could be mapped for it (and no fiber that could free
     /// one was left), and [`JoinError::Deadlock`] if deadlock detection
     /// (on by default, see the crate docs) found the executor stuck while

@@ -9,6 +9,7 @@
 
 use std::cell::Cell;
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -545,9 +546,16 @@ impl Worker {
         // join another task).
         let _busy = BusyOutsideFiber::new(self.me());
         // A task the final drain completed early (its fiber went on to
-        // finish its unwind; see `drain`) is complete already.
+        // finish its unwind; see `drain`) is complete already. The outcome
+        // is dropped here, inside `_busy` and contained, as the task's own
+        // drop contains what it holds: a panic payload whose drop panics
+        // must not take the worker down (found in review).
         if task.finished.load(Ordering::Acquire) {
-            drop(task);
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop((err, task)))) {
+                if let Some(forced) = crate::task::drop_payload(payload) {
+                    std::panic::resume_unwind(forced);
+                }
+            }
             return;
         }
         let c = &self.me().hot.counters;
@@ -679,10 +687,18 @@ impl Worker {
         // unwind it on: its stack leaked and its destructors never ran.
         loop {
             self.drain_inbox();
-            if self.run_unwinding() {
-                continue;
+            // Fibers in the middle of an unwind are run, once each per pass:
+            // one that yields stays queued for the next pass, after the rest
+            // of this one, which may be what it waits for (found in review:
+            // a fiber whose destructor yielded until another fiber of the
+            // worker was dropped kept the drain running it for ever).
+            let ran = self.run_unwinding();
+            let mut fibers = Vec::new();
+            for q in &mut self.resumed {
+                let (unwinding, rest): (VecDeque<Task>, VecDeque<Task>) = q.drain(..).partition(is_unwinding);
+                *q = unwinding;
+                fibers.extend(rest);
             }
-            let mut fibers: Vec<Task> = self.resumed.iter_mut().flat_map(|q| q.drain(..)).collect();
             // One scope for the whole pass: a fiber released anywhere in it
             // (one woken for the value an abandoned fiber hands on and
             // refused; a joiner nobody else holds, released by the wake of
@@ -703,7 +719,9 @@ impl Worker {
                 }
                 fibers.extend(self.me().sleeping.lock().drain().map(|(_, f)| f));
                 if fibers.is_empty() {
-                    return true;
+                    // Idle only if nothing ran either (what ran may have
+                    // woken others, or be queued again).
+                    return !ran && self.resumed.iter().all(VecDeque::is_empty);
                 }
                 // Every task of the batch is completed before any fiber is
                 // dropped: a dropped fiber may be unwound here, and a
@@ -763,24 +781,11 @@ impl Worker {
     /// fiber that waits again is handled by the next pass. Returns whether
     /// it ran any (they may have woken others).
     fn run_unwinding(&mut self) -> bool {
-        let unwinding = |f: &Task| {
-            let raw = f.sched_data();
-            // SAFETY: the sched word holds a counted reference to the task
-            // while it is not 0 (see `run_one`).
-            raw != 0
-                && (f.slept_while_panicking()
-                    || unsafe { TaskRef::borrow_raw(raw) }.unwinding.load(Ordering::Relaxed))
-        };
         let mut run = Vec::new();
         for q in &mut self.resumed {
-            let mut i = 0;
-            while i < q.len() {
-                if unwinding(&q[i]) {
-                    run.extend(q.remove(i));
-                } else {
-                    i += 1;
-                }
-            }
+            let (unwinding, rest): (VecDeque<Task>, VecDeque<Task>) = q.drain(..).partition(is_unwinding);
+            *q = rest;
+            run.extend(unwinding);
         }
         let ran = !run.is_empty();
         for fiber in run {
@@ -939,6 +944,18 @@ pub(crate) fn cancel_orphan(fiber: &Task, orphans: &AtomicU64) {
     let err = JoinError::Cancelled { fiber: Some(fiber.id()), name: task.name.clone() };
     orphans.fetch_add(1, Ordering::Release);
     task.complete(Some(err));
+}
+
+/// Whether the final drain runs the fiber rather than dropping it: it
+/// holds its task, and is in the middle of an unwind (its task is marked,
+/// or it slept while its thread was panicking; see `Worker::drain`).
+fn is_unwinding(f: &Task) -> bool {
+    let raw = f.sched_data();
+    // SAFETY: the sched word holds a counted reference to the task while
+    // it is not 0 (see `Worker::run_one`).
+    raw != 0
+        && (f.slept_while_panicking()
+            || unsafe { TaskRef::borrow_raw(raw) }.unwinding.load(Ordering::Relaxed))
 }
 
 /// Takes the TaskRef out of a fiber's sched word.

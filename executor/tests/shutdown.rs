@@ -1081,3 +1081,161 @@ fn a_fiber_that_slept_while_another_was_stuck_mid_unwind_is_unwound_in_the_final
         },
     );
 }
+
+/// In the final drain, a fiber whose destructor yields (the executor's
+/// `yield_now`) during its cancel unwind until another fiber of its worker
+/// has been dropped is run once per pass, not in a loop: the rest of the
+/// pass drops that other fiber (whose task the drain took), its
+/// destructor sets the flag, and the yielding fiber's unwind finishes.
+/// (Found in review: the first version ran such a fiber again and again
+/// before the rest of the pass, and the executor's drop never returned.)
+#[test]
+fn a_destructor_yielding_in_the_drain_until_another_fiber_is_dropped_finishes() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Mutex;
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<()>>);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.take().unwrap().join();
+        }
+    }
+    /// Yields until the flag is set.
+    struct YieldsUntil(Arc<AtomicBool>);
+    impl Drop for YieldsUntil {
+        fn drop(&mut self) {
+            while !self.0.load(SeqCst) {
+                yield_now();
+            }
+        }
+    }
+    struct WakesG(Arc<Mutex<Option<Waiter>>>);
+    impl Drop for WakesG {
+        fn drop(&mut self) {
+            if let Some(w) = self.0.lock().unwrap().take() {
+                w.wake();
+            }
+        }
+    }
+    struct Sets(Arc<AtomicBool>);
+    impl Drop for Sets {
+        fn drop(&mut self) {
+            self.0.store(true, SeqCst);
+        }
+    }
+    watchdog("a_destructor_yielding_in_the_drain_until_another_fiber_is_dropped_finishes", 60, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let stuck = Arc::new(Semaphore::new(0));
+        let a = {
+            let stuck = stuck.clone();
+            exec.spawn(move || stuck.acquire())
+        };
+        let flag = Arc::new(AtomicBool::new(false));
+        let g_waiter: Arc<Mutex<Option<Waiter>>> = Arc::new(Mutex::new(None));
+        // G: asleep in a bare `spindle_fiber::sleep` (a wait the shutdown
+        // does not interrupt) before anything is stuck mid-unwind.
+        let (g_asleep, g_unwound) = (Flag::new(), Flag::new());
+        let g = {
+            let (flag, gw, asleep, unwound) =
+                (flag.clone(), g_waiter.clone(), g_asleep.clone(), g_unwound.on_drop());
+            exec.spawn(move || {
+                let _unwound = unwound;
+                let _sets = Sets(flag);
+                loop {
+                    *gw.lock().unwrap() = Some(Waiter::current().unwrap());
+                    asleep.set();
+                    spindle_fiber::sleep();
+                    if gw.lock().unwrap().is_none() {
+                        break; // woken by `WakesG`, not spuriously
+                    }
+                }
+                sleep(Duration::MAX);
+            })
+        };
+        let j = exec.spawn(|| sleep(Duration::MAX));
+        // F: cancelled by the shutdown in its join of J; its unwind joins
+        // the stuck task A (the drain completes it), then wakes G, then
+        // yields until G's destructor has run.
+        let (f_asleep, f_unwound) = (Flag::new(), Flag::new());
+        let f = {
+            let (flag, asleep, gw, unwound) =
+                (flag.clone(), f_asleep.clone(), g_waiter.clone(), f_unwound.on_drop());
+            exec.spawn(move || {
+                let _unwound = unwound;
+                let _yields = YieldsUntil(flag);
+                let _wakes_g = WakesG(gw);
+                let _joins = JoinsOnDrop(Some(a));
+                asleep.set();
+                let _ = j.join();
+            })
+        };
+        wait_for(&stage, "A, F and G asleep", || {
+            stuck.waiters() == 1 && f_asleep.is_set() && g_asleep.is_set()
+        });
+        // Something else ran on the one worker since: F and G switched out.
+        let _ = exec.spawn(|| ()).join();
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(g_unwound.is_set(), "G was unwound");
+        assert!(f_unwound.is_set(), "F's unwind finished");
+        assert!(f.join().is_err() && g.join().is_err());
+    });
+}
+
+/// A fiber whose panic payload's `Drop` panics, finished by the final
+/// drain after its task was completed early (a destructor of its panic's
+/// unwind joined a task asleep in a plain wait): the outcome is dropped
+/// contained, as the task's own drop contains what it holds, so the
+/// worker goes on and a fiber joining the first one is unwound too.
+/// (Found in review: the payload was dropped uncontained and the panic
+/// killed the worker thread in its drain.)
+#[test]
+fn a_panicking_payload_of_a_fiber_finished_in_the_drain_is_contained() {
+    struct JoinsOnDrop(Option<spindle_executor::JoinHandle<()>>);
+    impl Drop for JoinsOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.take().unwrap().join();
+        }
+    }
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                panic!("the payload's drop panics");
+            }
+        }
+    }
+    watchdog("a_panicking_payload_of_a_fiber_finished_in_the_drain_is_contained", 60, |stage| {
+        let exec = Executor::builder().workers(1).max_workers(1).build();
+        let stuck = Arc::new(Semaphore::new(0));
+        let a = {
+            let stuck = stuck.clone();
+            exec.spawn(move || stuck.acquire())
+        };
+        let c_unwound = Flag::new();
+        let c = {
+            let unwound = c_unwound.on_drop();
+            exec.spawn(move || {
+                let _unwound = unwound;
+                let _joins = JoinsOnDrop(Some(a));
+                std::panic::panic_any(PanicsOnDrop);
+            })
+        };
+        let (d_unwound, d_joining) = (Flag::new(), Flag::new());
+        let d = {
+            let (unwound, joining) = (d_unwound.on_drop(), d_joining.clone());
+            exec.spawn(move || {
+                let _unwound = unwound;
+                joining.set();
+                let _ = c.join();
+                sleep(Duration::MAX);
+            })
+        };
+        wait_for(&stage, "A asleep, D joining C", || stuck.waiters() == 1 && d_joining.is_set());
+        let _ = exec.spawn(|| ()).join();
+        stage.set("dropping the executor");
+        drop(exec);
+        assert!(c_unwound.is_set(), "C's unwind finished");
+        assert!(d_unwound.is_set(), "D was unwound: the worker survived the payload's drop");
+        assert!(matches!(d.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
+    });
+}
