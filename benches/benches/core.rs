@@ -350,8 +350,8 @@ fn channel_pair(
         let mut msg = Msg::new(0u64);
         let start = Instant::now();
         for _ in 0..iters {
-            tx.push(msg);
-            msg = rx.pop();
+            tx.push(msg).unwrap();
+            msg = rx.pop().unwrap();
         }
         assert_eq!(*msg, iters);
         nanos_since(start)
@@ -359,9 +359,9 @@ fn channel_pair(
     let (rx, tx) = (ping.clone(), pong.clone());
     let ponger = move || {
         for _ in 0..iters {
-            let mut msg = rx.pop();
+            let mut msg = rx.pop().unwrap();
             *msg += 1;
-            tx.push(msg);
+            tx.push(msg).unwrap();
         }
         0
     };

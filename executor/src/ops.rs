@@ -300,7 +300,7 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// let got = exec
 ///     .block_on(|| {
 ///         let chan = Channel::<u32>::new(); // nobody sends
-///         interrupt_after(Duration::from_millis(5), || chan.pop_interruptible().map(Msg::into_inner))
+///         interrupt_after(Duration::from_millis(5), || chan.pop_interruptible().map(|m| m.expect("the channel is open").into_inner()))
 ///     })
 ///     .unwrap();
 /// assert_eq!(got, Err(Interrupted));

@@ -211,7 +211,7 @@ fn cancelled_channel_receiver_does_not_lose_the_message() {
         let h = {
             let (chan, received) = (Arc::clone(&chan), Arc::clone(&received));
             exec.spawn(move || {
-                let v = chan.pop().into_inner();
+                let v = chan.pop().unwrap().into_inner();
                 received.lock().unwrap().push(v);
                 yield_now();
             })
@@ -219,7 +219,7 @@ fn cancelled_channel_receiver_does_not_lose_the_message() {
         wait_for(&stage, "the receiver to wait", || chan.receivers() == 1);
         h.cancel();
         stage.set("pushing one message to the cancelled receiver");
-        chan.push(Msg::new(77));
+        chan.push(Msg::new(77)).unwrap();
         let err = h.join().expect_err("cancelled");
         assert!(err.is_cancelled(), "{err}");
         let delivered = received.lock().unwrap().contains(&77);
@@ -517,7 +517,7 @@ fn a_cancelled_fiber_in_a_plain_wait_stays_asleep() {
         };
         let in_pop = {
             let chan = Arc::clone(&chan);
-            exec.spawn(move || chan.pop().into_inner())
+            exec.spawn(move || chan.pop().unwrap().into_inner())
         };
         wait_for(&stage, "both fibers to wait", || sem.waiters() == 1 && chan.receivers() == 1);
         in_acquire.cancel();

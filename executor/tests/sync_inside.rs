@@ -61,7 +61,7 @@ fn channel_producer_consumer_between_fibers() {
             exec.spawn(move || {
                 let mut sum = 0;
                 for expected in 0..MESSAGES {
-                    let v = chan.pop().into_inner();
+                    let v = chan.pop().unwrap().into_inner();
                     assert_eq!(v, expected, "FIFO from a single producer");
                     sum += v;
                 }
@@ -72,7 +72,7 @@ fn channel_producer_consumer_between_fibers() {
             let chan = Arc::clone(&chan);
             exec.spawn(move || {
                 for i in 0..MESSAGES {
-                    chan.push(Msg::new(i));
+                    chan.push(Msg::new(i)).unwrap();
                     if i % 64 == 0 {
                         spindle_executor::yield_now();
                     }
@@ -101,7 +101,9 @@ fn channel_many_producers_many_consumers() {
                 let cs: Vec<_> = (0..consumers)
                     .map(|_| {
                         let chan = Arc::clone(&chan);
-                        spawn(move || (0..total / consumers).map(|_| chan.pop().into_inner()).sum::<u64>())
+                        spawn(move || {
+                            (0..total / consumers).map(|_| chan.pop().unwrap().into_inner()).sum::<u64>()
+                        })
                     })
                     .collect();
                 let ps: Vec<_> = (0..producers)
@@ -109,7 +111,7 @@ fn channel_many_producers_many_consumers() {
                         let chan = Arc::clone(&chan);
                         spawn(move || {
                             for i in 0..per_producer {
-                                chan.push(Msg::new(p * per_producer + i));
+                                chan.push(Msg::new(p * per_producer + i)).unwrap();
                             }
                         })
                     })
@@ -196,5 +198,46 @@ fn mutex_between_fibers_held_across_yields_and_a_cancelled_waiter() {
         assert_eq!(counter.waiters(), 0);
         drop(held);
         assert!(!counter.is_locked());
+    });
+}
+
+/// Executor fibers read a channel until it is closed: the producer pushes
+/// and closes, the consumers' `pop` returns `None` once the queue is
+/// empty (those asleep at the close are woken with `None`).
+#[test]
+fn consumers_read_until_the_channel_is_closed() {
+    watchdog("consumers_read_until_the_channel_is_closed", 60, |stage| {
+        const CONSUMERS: u64 = 4;
+        let exec = Executor::builder().workers(2).build();
+        let chan = Arc::new(Channel::<u64>::new());
+        let consumers: Vec<_> = (0..CONSUMERS)
+            .map(|_| {
+                let chan = Arc::clone(&chan);
+                exec.spawn(move || {
+                    let mut sum = 0;
+                    while let Some(m) = chan.pop() {
+                        sum += m.into_inner();
+                    }
+                    sum
+                })
+            })
+            .collect();
+        stage.set(format!("{MESSAGES} messages, then the close"));
+        let producer = {
+            let chan = Arc::clone(&chan);
+            exec.spawn(move || {
+                for i in 1..=MESSAGES {
+                    chan.push(Msg::new(i)).unwrap();
+                    if i % 100 == 0 {
+                        spindle_executor::yield_now();
+                    }
+                }
+                chan.close();
+            })
+        };
+        producer.join().unwrap();
+        let total: u64 = consumers.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(total, MESSAGES * (MESSAGES + 1) / 2);
+        assert_eq!((chan.len(), chan.receivers()), (0, 0));
     });
 }

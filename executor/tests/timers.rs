@@ -403,7 +403,7 @@ fn yield_until_fired(deadline: Instant) {
 #[test]
 fn a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt() {
     use spindle_executor::interrupt_after;
-    use spindle_sync::{Channel, Interrupted, Msg};
+    use spindle_sync::{Channel, Interrupted};
     watchdog("a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt", 30, |_| {
         let exec = Executor::builder().workers(1).build();
         let (inner, outer) = exec
@@ -412,13 +412,14 @@ fn a_nested_interrupt_after_keeps_the_enclosing_deadlines_interrupt() {
                 interrupt_after(Duration::from_millis(30), || {
                     let outer_begun = Instant::now();
                     let inner = interrupt_after(Duration::from_millis(5), || {
-                        let r = chan.pop_interruptible().map(Msg::into_inner);
+                        let r =
+                            chan.pop_interruptible().map(|m| m.expect("the channel is open").into_inner());
                         // Until the outer deadline has fired, still inside
                         // the inner call, in no interruptible wait.
                         yield_until_fired(outer_begun + Duration::from_millis(30));
                         r
                     });
-                    (inner, chan.pop_interruptible().map(Msg::into_inner))
+                    (inner, chan.pop_interruptible().map(|m| m.expect("the channel is open").into_inner()))
                 })
             })
             .unwrap();
@@ -461,7 +462,7 @@ fn a_passed_deadline_interrupts_every_wait_in_its_call() {
     use spindle_executor::interrupt_after;
     use spindle_sync::{Channel, Interrupted, Msg};
     fn wait(chan: &Channel<u32>) -> Result<u32, Interrupted> {
-        chan.pop_interruptible().map(Msg::into_inner)
+        chan.pop_interruptible().map(|m| m.expect("the channel is open").into_inner())
     }
     watchdog("a_passed_deadline_interrupts_every_wait_in_its_call", 30, |stage| {
         let exec = Executor::builder().workers(1).build();
@@ -505,7 +506,7 @@ fn a_passed_deadline_interrupts_every_wait_in_its_call() {
             (timed, wait(&c))
         });
         wait_for(&stage, "the wait after the call", || first.is_set() && chan.receivers() == 1);
-        chan.push(Msg::new(7));
+        chan.push(Msg::new(7)).unwrap();
         assert_eq!(h.join().unwrap(), (Err(Interrupted), Ok(7)));
     });
 }

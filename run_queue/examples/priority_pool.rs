@@ -121,11 +121,11 @@ fn main() {
     // priority.
     let total = TASKS_PER_PRIORITY * PRIORITIES.len();
     for id in 0..total {
-        tasks[(id * 7 + id / 3) % PRIORITIES.len()].push(Msg::new(Task::Work { id }));
+        tasks[(id * 7 + id / 3) % PRIORITIES.len()].push(Msg::new(Task::Work { id })).unwrap();
         pending.release(1);
     }
     for _ in 0..fibers {
-        tasks[PRIORITIES.len() - 1].push(Msg::new(Task::Stop));
+        tasks[PRIORITIES.len() - 1].push(Msg::new(Task::Stop)).unwrap();
     }
 
     let start = Arc::new(Barrier::new(workers + 1));

@@ -4,8 +4,9 @@
 //! cargo run --release -p spindle-run-queue --example workers
 //! ```
 //!
-//! One producer fiber sends numbers down a channel; consumer fibers sum
-//! them, yielding now and then, and report their sums on a second channel
+//! One producer fiber sends numbers down a channel and closes it; consumer
+//! fibers sum them until the channel is closed and empty, yielding now and
+//! then, and report their sums on a second channel
 //! that the main thread (an ordinary thread) reads. A semaphore of credits
 //! bounds how far the producer runs ahead: it sleeps when they run out and
 //! a consumer's release wakes it, and consumers sleep on the empty channel
@@ -41,7 +42,7 @@ fn main() {
         std::process::exit(2);
     }
     let queue = RunQueue::new(CONSUMERS + 1);
-    let numbers = Arc::new(Channel::<Option<u64>>::new());
+    let numbers = Arc::new(Channel::<u64>::new());
     let sums = Arc::new(Channel::<u64>::new());
     let credits = Arc::new(Semaphore::new(CREDITS));
 
@@ -83,7 +84,7 @@ fn main() {
         })
         .collect();
 
-    // The producer: every number, then one stop message per consumer.
+    // The producer: every number, then it closes the channel.
     let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
     let (tx, credit) = (numbers.clone(), credits.clone());
     producer
@@ -92,11 +93,10 @@ fn main() {
                 // Sleeps while the consumers are `CREDITS` numbers behind;
                 // the first release wakes it back onto the queue.
                 credit.acquire();
-                tx.push(Msg::new(Some(n)));
+                tx.push(Msg::new(n)).expect("open until the producer closes it");
             }
-            for _ in 0..CONSUMERS {
-                tx.push(Msg::new(None));
-            }
+            // Consumers take what is queued, then `pop` gives them `None`.
+            tx.close();
         })
         .unwrap();
     queue.try_push(producer).unwrap();
@@ -108,22 +108,23 @@ fn main() {
             .set_function(Priority::NORMAL, move || {
                 let mut sum = 0;
                 // `pop` puts the fiber to sleep while the channel is empty;
-                // the producer's push wakes it back onto the queue.
-                while let Some(n) = rx.pop().into_inner() {
+                // the producer's push (or its close) wakes it back onto the
+                // queue.
+                while let Some(n) = rx.pop().map(Msg::into_inner) {
                     credit.release(1);
                     sum += n;
                     if n % 64 == 0 {
                         yield_now(); // give the other consumers a turn
                     }
                 }
-                out.push(Msg::new(sum));
+                out.push(Msg::new(sum)).unwrap();
             })
             .unwrap();
         queue.try_push(consumer).unwrap();
     }
 
     // An ordinary thread waits on the same channel type: it parks.
-    let total: u64 = (0..CONSUMERS).map(|_| sums.pop().into_inner()).sum();
+    let total: u64 = (0..CONSUMERS).map(|_| sums.pop().unwrap().into_inner()).sum();
     let runs: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
 
     let stats = queue.stats();

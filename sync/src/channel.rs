@@ -118,6 +118,9 @@ struct Synced {
     /// Pushes so far: each header's `seq`.
     pushes: u64,
     receivers: WaitList,
+    /// Set once by `close`: pushes are refused, and a receiver that finds
+    /// no message gets none instead of waiting.
+    closed: bool,
 }
 
 // SAFETY: the message pointers are only dereferenced under the lock; the
@@ -135,6 +138,11 @@ impl Synced {
     /// only.
     fn give_back(&mut self, handed: *mut ()) -> Option<Wakeup> {
         let msg = handed.cast::<MsgHeader>();
+        if msg.is_null() {
+            // Woken by `close` with no message: nothing to hand on (every
+            // receiver is woken the same way).
+            return None;
+        }
         if let Some(wakeup) = self.receivers.pop_front(handed) {
             return Some(wakeup);
         }
@@ -175,7 +183,53 @@ impl Synced {
         self.messages -= 1;
         Some(head)
     }
+
+    /// What a receiver takes now without waiting: the oldest message, or,
+    /// on a closed channel with none queued, null (no message will come).
+    fn take_now(&mut self) -> Option<*mut ()> {
+        match self.pop_message() {
+            Some(m) => Some(m.as_ptr().cast()),
+            None => self.closed.then_some(ptr::null_mut()),
+        }
+    }
 }
+
+/// A push onto a closed channel: the message was not queued, and comes
+/// back here ([`into_inner`](Closed::into_inner)).
+///
+/// ```
+/// use spindle_sync::{Channel, Closed, Msg};
+///
+/// let chan = Channel::new();
+/// chan.close();
+/// let Err(Closed(msg)) = chan.push(Msg::new(7)) else { panic!("a closed channel takes nothing") };
+/// assert_eq!(*msg, 7); // handed back, to reuse or drop
+/// ```
+pub struct Closed<M>(pub M);
+
+impl<M> Closed<M> {
+    /// The message that was not queued.
+    pub fn into_inner(self) -> M {
+        self.0
+    }
+}
+
+impl<M> fmt::Debug for Closed<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Closed(..)")
+    }
+}
+
+impl<M> fmt::Display for Closed<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "the channel is closed: the message was not queued and is handed back (Closed::into_inner); \
+             a closed channel stays closed, so stop sending, or send on a new channel",
+        )
+    }
+}
+
+impl<M> std::error::Error for Closed<M> {}
 
 /// An unbounded FIFO of caller-owned messages, identified by their headers.
 ///
@@ -212,9 +266,9 @@ impl Synced {
 /// // SAFETY: the payload follows the header in the block `block` points to.
 /// unsafe { MsgHeader::init_trailing(std::ptr::addr_of_mut!((*block).hdr), 5) };
 /// // SAFETY: the block stays put and is not pushed elsewhere until popped.
-/// unsafe { chan.push(NonNull::new(block.cast::<MsgHeader>()).unwrap()) };
+/// unsafe { chan.push(NonNull::new(block.cast::<MsgHeader>()).unwrap()) }.unwrap();
 ///
-/// let hdr = chan.pop(); // here at once: a message is queued
+/// let hdr = chan.pop().unwrap(); // here at once: a message is queued
 /// // SAFETY: `buf`/`len` describe the payload of the block we pushed.
 /// let payload = unsafe { std::slice::from_raw_parts(hdr.as_ref().buf, hdr.as_ref().len) };
 /// assert_eq!(payload, b"hello");
@@ -235,11 +289,17 @@ impl RawChannel {
                 messages: 0,
                 pushes: 0,
                 receivers: WaitList::new(),
+                closed: false,
             }),
         }
     }
 
     /// Queues a message, or hands it to the longest-waiting receiver.
+    ///
+    /// # Errors
+    ///
+    /// [`Closed`] with the header if the channel is closed: nothing is
+    /// queued, and the header is the caller's again.
     ///
     /// # Panics
     /// If the header is on a channel already (pushed, and not popped yet):
@@ -259,8 +319,11 @@ impl RawChannel {
     /// popped first). The message it describes may be accessed from
     /// whichever thread pops it (it is Send). No other push of the same
     /// header runs at the same time (the check above cannot see one).
-    pub unsafe fn push(&self, msg: NonNull<MsgHeader>) {
+    pub unsafe fn push(&self, msg: NonNull<MsgHeader>) -> Result<(), Closed<NonNull<MsgHeader>>> {
         let mut synced = self.synced.lock();
+        if synced.closed {
+            return Err(Closed(msg));
+        }
         // SAFETY: the header is valid (the caller's contract); the link is
         // atomic, so this read is no race even for a header wrongly queued
         // on another channel (or being handed to a receiver).
@@ -288,7 +351,7 @@ impl RawChannel {
             tests::after_handoff();
             drop(synced);
             wakeup.deliver();
-            return;
+            return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
         unsafe { msg.as_ref().next.store(ptr::null_mut(), Ordering::Relaxed) };
@@ -299,12 +362,15 @@ impl RawChannel {
         }
         synced.tail = msg.as_ptr();
         synced.messages += 1;
+        Ok(())
     }
 
-    /// Takes the oldest message, waiting for one if the channel is empty.
+    /// Takes the oldest message, waiting for one if the channel is empty;
+    /// `None` once the channel is closed and empty (a receiver waiting
+    /// when it closes is woken with `None`).
     #[track_caller]
     #[inline]
-    pub fn pop(&self) -> NonNull<MsgHeader> {
+    pub fn pop(&self) -> Option<NonNull<MsgHeader>> {
         match self.pop_inner::<false>() {
             Ok(m) => m,
             Err(Interrupted) => unreachable!("a plain pop is not interruptible"),
@@ -316,33 +382,70 @@ impl RawChannel {
     ///
     /// # Errors
     ///
-    /// [`Interrupted`] if the fiber was interrupted before a message came,
-    /// or, with none there, at once in a fiber being dropped.
+    /// [`Interrupted`] if the fiber was interrupted before a message came
+    /// (or the channel closed), or, with none there, at once in a fiber
+    /// being dropped.
     #[track_caller]
     #[inline]
-    pub fn pop_interruptible(&self) -> Result<NonNull<MsgHeader>, Interrupted> {
+    pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
         self.pop_inner::<true>()
     }
 
     #[track_caller]
     #[inline]
-    fn pop_inner<const INTERRUPTIBLE: bool>(&self) -> Result<NonNull<MsgHeader>, Interrupted> {
+    fn pop_inner<const INTERRUPTIBLE: bool>(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
         let mut synced = self.synced.lock();
-        if let Some(m) = synced.pop_message() {
-            return Ok(m);
+        if let Some(now) = synced.take_now() {
+            return Ok(NonNull::new(now.cast()));
         }
+        // Woken by a push with its message, or by `close` with null.
         let handed = wait::<_, INTERRUPTIBLE>(
             synced,
             |s| &mut s.receivers,
             Synced::give_back,
-            |s| s.pop_message().map(|m| m.as_ptr().cast()),
+            Synced::take_now,
             None,
             &WAIT_REASON,
         )?;
-        let handed = NonNull::new(handed.cast::<MsgHeader>()).expect("a receiver is always handed a message");
-        // SAFETY: the pusher handed this header to us; it is ours now.
+        let Some(handed) = NonNull::new(handed.cast::<MsgHeader>()) else {
+            return Ok(None);
+        };
+        // SAFETY: the pusher handed this header to us (or `take_now` popped
+        // it); it is ours now.
         unsafe { handed.as_ref().next.store(NOT_QUEUED, Ordering::Relaxed) };
-        Ok(handed)
+        Ok(Some(handed))
+    }
+
+    /// Closes the channel: from now on pushes are refused (the message is
+    /// handed back, [`Closed`]), receivers take the messages still queued
+    /// and then get `None` instead of waiting, and every receiver waiting
+    /// now is woken with `None`. Returns whether this call closed it
+    /// (`false`: it was closed already). Callable from any thread, fiber
+    /// or not.
+    pub fn close(&self) -> bool {
+        let mut synced = self.synced.lock();
+        if synced.closed {
+            return false;
+        }
+        synced.closed = true;
+        // Waiting receivers found the queue empty, and nothing was queued
+        // since (a push would have been handed to one of them): each is
+        // woken with null, one lock hold each (no list of them is kept).
+        // In a scope: a receiver whose last reference a wake drops is
+        // unwound only once every receiver is woken (DESIGN.md, "Deferred
+        // releases").
+        spindle_fiber::defer_releases(move || loop {
+            let Some(wakeup) = synced.receivers.pop_front(ptr::null_mut()) else {
+                break;
+            };
+            parking_lot::MutexGuard::unlocked(&mut synced, || wakeup.deliver());
+        });
+        true
+    }
+
+    /// Whether the channel is closed.
+    pub fn is_closed(&self) -> bool {
+        self.synced.lock().closed
     }
 
     /// Takes the oldest message if there is one.
@@ -377,16 +480,20 @@ impl fmt::Debug for RawChannel {
         // One look under the lock (the two counts of the same moment), then
         // format without it: the formatter's writer is the caller's code,
         // which may use this channel.
-        let (messages, receivers) = self.counts();
-        f.debug_struct("RawChannel").field("messages", &messages).field("receivers", &receivers).finish()
+        let (messages, receivers, closed) = self.counts();
+        f.debug_struct("RawChannel")
+            .field("messages", &messages)
+            .field("receivers", &receivers)
+            .field("closed", &closed)
+            .finish()
     }
 }
 
 impl RawChannel {
-    /// Messages and receivers, read in one lock hold.
-    fn counts(&self) -> (usize, usize) {
+    /// Messages, receivers and whether it is closed, read in one lock hold.
+    fn counts(&self) -> (usize, usize, bool) {
         let s = self.synced.lock();
-        (s.messages, s.receivers.len())
+        (s.messages, s.receivers.len(), s.closed)
     }
 }
 
@@ -425,10 +532,10 @@ struct MsgBlock<T> {
 /// use spindle_sync::{Channel, Msg};
 ///
 /// let chan = Channel::new();
-/// chan.push(Msg::new(41));
+/// chan.push(Msg::new(41)).unwrap();
 /// let mut m = chan.try_pop().unwrap();
 /// *m += 1;
-/// chan.push(m); // the same allocation again
+/// chan.push(m).unwrap(); // the same allocation again
 /// assert_eq!(*chan.try_pop().unwrap(), 42);
 /// ```
 pub struct Msg<T> {
@@ -523,11 +630,11 @@ impl<T: fmt::Debug> fmt::Debug for Msg<T> {
 /// let queue = RunQueue::new(4);
 /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
 /// let rx = chan.clone();
-/// fiber.set_function(Priority::NORMAL, move || rx.pop().into_inner()).unwrap();
+/// fiber.set_function(Priority::NORMAL, move || rx.pop().unwrap().into_inner()).unwrap();
 /// queue.try_push(fiber).unwrap();
 ///
 /// assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-/// chan.push(Msg::new("hello")); // hands the message over, wakes the fiber
+/// chan.push(Msg::new("hello")).unwrap(); // hands the message over, wakes the fiber
 /// let ran = queue.run_next().unwrap();
 /// assert!(matches!(ran.outcome, Ok(RunOutcome::Returned("hello"))));
 /// ```
@@ -558,21 +665,72 @@ impl<T> Channel<T> {
     /// Queues a message, or hands it to the longest-waiting receiver. Never
     /// waits for a receiver and allocates nothing itself (see
     /// [`RawChannel`] for what a wake may do here).
-    pub fn push(&self, msg: Msg<T>) {
+    ///
+    /// # Errors
+    ///
+    /// [`Closed`] with the message if the channel is closed
+    /// ([`close`](Channel::close)): nothing is queued.
+    pub fn push(&self, msg: Msg<T>) -> Result<(), Closed<Msg<T>>> {
         // SAFETY: the header is the heap block of a Msg we now own; it stays
         // put until popped (converted back to a Msg) or dropped with the
         // channel (see Drop); T: Send for any channel shared across threads.
-        unsafe { self.raw.push(msg.into_header()) }
+        // A header refused by a closed channel is ours again.
+        unsafe { self.raw.push(msg.into_header()).map_err(|Closed(h)| Closed(Msg::from_header(h))) }
     }
 
     /// Takes the oldest message, waiting if there is none: a fiber sleeps
     /// (and is pushed back on its run queue when a message arrives), a
-    /// thread parks.
+    /// thread parks. `None` once the channel is closed and every message
+    /// pushed before has been taken: a receiver waiting when the channel
+    /// closes is woken with `None`, so `while let Some(m) = chan.pop()`
+    /// reads until the sender closes.
+    ///
+    /// ```
+    /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+    /// #     std::thread::sleep(std::time::Duration::from_secs(60));
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     std::process::exit(1)
+    /// # });
+    /// use std::sync::Arc;
+    /// use spindle_sync::{Channel, Msg};
+    ///
+    /// let chan = Arc::new(Channel::<u32>::new());
+    /// let rx = chan.clone();
+    /// let reader = std::thread::spawn(move || {
+    ///     let mut sum = 0;
+    ///     while let Some(m) = rx.pop() {
+    ///         sum += m.into_inner();
+    ///     }
+    ///     sum // the channel closed
+    /// });
+    /// for i in 1..=4 {
+    ///     chan.push(Msg::new(i)).unwrap();
+    /// }
+    /// chan.close();
+    /// assert_eq!(reader.join().unwrap(), 10);
+    /// ```
     #[track_caller]
     #[inline]
-    pub fn pop(&self) -> Msg<T> {
+    pub fn pop(&self) -> Option<Msg<T>> {
         // SAFETY: only Msg<T> headers are pushed on this channel.
-        unsafe { Msg::from_header(self.raw.pop()) }
+        self.raw.pop().map(|h| unsafe { Msg::from_header(h) })
+    }
+
+    /// Closes the channel: from now on [`push`](Channel::push) refuses
+    /// messages (handing them back in [`Closed`]), receivers take the
+    /// messages still queued and then get `None` instead of waiting, and
+    /// every receiver waiting now is woken with `None`. Returns whether this
+    /// call closed it (`false`: it was closed already). There is no
+    /// reopening. Callable from any thread, fiber or not; a channel is also
+    /// closed in effect when it is dropped (no receiver can be waiting
+    /// then).
+    pub fn close(&self) -> bool {
+        self.raw.close()
+    }
+
+    /// Whether the channel is closed.
+    pub fn is_closed(&self) -> bool {
+        self.raw.is_closed()
     }
 
     /// Like [`pop`](Channel::pop), but a fiber's wait ends early if the
@@ -597,36 +755,40 @@ impl<T> Channel<T> {
     /// let rx = chan.clone();
     /// fiber
     ///     .set_function(Priority::NORMAL, move || {
-    ///         let first = rx.pop_interruptible().map(Msg::into_inner);
-    ///         let second = rx.pop_interruptible().map(Msg::into_inner);
+    ///         let first = rx.pop_interruptible().map(|m| m.map(Msg::into_inner));
+    ///         let second = rx.pop_interruptible().map(|m| m.map(Msg::into_inner));
     ///         (first, second)
     ///     })
     ///     .unwrap();
     /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
     /// fiber.interrupt(); // the first wait ends without a message
     /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept))); // the second waits
-    /// chan.push(Msg::new(7));
+    /// chan.push(Msg::new(7)).unwrap();
     /// match fiber.run() {
-    ///     Ok(RunOutcome::Returned(got)) => assert_eq!(got, (Err(Interrupted), Ok(7))),
+    ///     Ok(RunOutcome::Returned(got)) => assert_eq!(got, (Err(Interrupted), Ok(Some(7)))),
     ///     other => panic!("{other:?}"),
     /// }
     /// ```
     ///
     /// # Errors
     ///
-    /// [`Interrupted`] if the fiber was interrupted before a message came,
-    /// or, with none there, at once in a fiber being dropped.
+    /// [`Interrupted`] if the fiber was interrupted before a message came
+    /// (or the channel closed), or, with none there, at once in a fiber
+    /// being dropped. `Ok(None)`: the channel is closed and empty, as for
+    /// [`pop`](Channel::pop).
     ///
     /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
     /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
     #[track_caller]
     #[inline]
-    pub fn pop_interruptible(&self) -> Result<Msg<T>, Interrupted> {
+    pub fn pop_interruptible(&self) -> Result<Option<Msg<T>>, Interrupted> {
         // SAFETY: as in `pop`.
-        self.raw.pop_interruptible().map(|h| unsafe { Msg::from_header(h) })
+        self.raw.pop_interruptible().map(|h| h.map(|h| unsafe { Msg::from_header(h) }))
     }
 
-    /// Takes the oldest message if there is one.
+    /// Takes the oldest message if there is one (on a closed channel too:
+    /// [`is_closed`](Channel::is_closed) tells an empty open channel from a
+    /// finished one).
     pub fn try_pop(&self) -> Option<Msg<T>> {
         // SAFETY: as in `pop`.
         self.raw.try_pop().map(|h| unsafe { Msg::from_header(h) })
@@ -657,8 +819,12 @@ impl<T> Default for Channel<T> {
 impl<T> fmt::Debug for Channel<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // As for `RawChannel`: one look, then format without the lock.
-        let (messages, receivers) = self.raw.counts();
-        f.debug_struct("Channel").field("messages", &messages).field("receivers", &receivers).finish()
+        let (messages, receivers, closed) = self.raw.counts();
+        f.debug_struct("Channel")
+            .field("messages", &messages)
+            .field("receivers", &receivers)
+            .field("closed", &closed)
+            .finish()
     }
 }
 
@@ -725,10 +891,10 @@ mod tests {
             // The pointer crosses as an address: the message is the
             // receiver's once popped.
             thread::spawn(move || {
-                let h = a.pop();
+                let h = a.pop().unwrap();
                 // SAFETY: popped, so ours; it stays valid until the test
                 // frees it after both channels are done with it.
-                unsafe { b.push(h) };
+                unsafe { b.push(h) }.unwrap();
                 done_tx.send(()).unwrap();
             })
         };
@@ -757,7 +923,7 @@ mod tests {
             }))
         });
         // SAFETY: a fresh header, valid until freed below.
-        unsafe { a.push(msg) };
+        unsafe { a.push(msg) }.unwrap();
         AFTER_HANDOFF.with(|hook| hook.borrow_mut().take());
         receiver.join().unwrap();
         // SAFETY: the header is alive; its link is atomic.

@@ -25,14 +25,18 @@
 //! let (rx, d) = (chan.clone(), done.clone());
 //! let consumer = Fiber::new(FiberAttr::new()).unwrap();
 //! consumer.set_function(Priority::NORMAL, move || {
-//!     let sum: u32 = (0..3).map(|_| rx.pop().into_inner()).sum();
+//!     let mut sum = 0;
+//!     while let Some(m) = rx.pop() { // `None` once closed and drained
+//!         sum += m.into_inner();
+//!     }
 //!     d.release(1);
 //!     sum
 //! }).unwrap();
 //! queue.try_push(consumer).unwrap();
 //! for i in 1..=3 {
-//!     chan.push(Msg::new(i));
+//!     chan.push(Msg::new(i)).unwrap();
 //! }
+//! chan.close(); // no more messages: the consumer's loop ends
 //! let mut sum = None;
 //! while let Some(ran) = queue.run_next() {
 //!     if let Ok(RunOutcome::Returned(s)) = ran.outcome {
@@ -62,14 +66,20 @@
 //! is false in a fiber) does not wait in an interruptible wait at all: it
 //! takes what is there, else gets [`Interrupted`] at once.
 //!
+//! # Closing a channel
+//!
+//! [`Channel::close`] ends a stream: pushes are refused from then on (the
+//! message comes back in [`Closed`]), receivers take what is still queued
+//! and then get `None` from [`Channel::pop`] instead of waiting, and the
+//! receivers waiting when it closes are woken with `None`. Nothing closes
+//! a channel by itself (there are no separate sender handles to count):
+//! the producer that is done says so.
+//!
 //! # What is not here
 //!
-//! Channels have no close or disconnect, and no wait has a timeout of its
-//! own: a receiver waits until a message arrives or it is interrupted, so
-//! a producer that stops should say so with a message of its own (an enum
-//! with a "done" variant, or a count agreed in advance), and a consumer
-//! that must give up after a while is interrupted by whoever keeps the
-//! time, or polls with `try_pop`/`try_acquire`.
+//! No wait has a timeout of its own: a consumer that must give up after a
+//! while is interrupted by whoever keeps the time (`spindle-executor`'s
+//! `interrupt_after`), or polls with `try_pop`/`try_acquire`.
 
 //! # Threads
 //!
@@ -131,9 +141,9 @@
 //! {
 //!     let s = String::from("short-lived");
 //!     let short: &Channel<&str> = &chan;
-//!     short.push(Msg::new(s.as_str()));
+//!     short.push(Msg::new(s.as_str())).unwrap();
 //! }
-//! let _dangling: Msg<&'static str> = chan.pop();
+//! let _dangling: Msg<&'static str> = chan.pop().unwrap();
 //! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -154,7 +164,7 @@ mod mutex;
 mod semaphore;
 mod wait;
 
-pub use channel::{Channel, Msg, MsgHeader, RawChannel};
+pub use channel::{Channel, Closed, Msg, MsgHeader, RawChannel};
 pub use mutex::{Mutex, MutexGuard};
 pub use semaphore::Semaphore;
 pub use wait::Interrupted;

@@ -25,7 +25,7 @@ fn a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it() {
 
         let queue = RunQueue::<u64>::new(4);
         let rx = chan.clone();
-        let f = fiber(Priority::NORMAL, move || rx.pop().into_inner());
+        let f = fiber(Priority::NORMAL, move || rx.pop().unwrap().into_inner());
         queue.try_push(f.clone()).unwrap();
 
         stage.set("first run: the receiver should go to sleep");
@@ -39,7 +39,7 @@ fn a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it() {
             other => panic!("running a sleeping fiber gave {other:?}"),
         }
 
-        chan.push(Msg::new(42));
+        chan.push(Msg::new(42)).unwrap();
         assert_eq!(f.state(), FiberState::Queued);
         assert_eq!(queue.len(), 1, "the push woke the receiver onto its queue");
         assert_eq!(queue.stats().wakes, 1);
@@ -58,13 +58,13 @@ fn a_fiber_sleeps_on_an_empty_channel_and_a_push_wakes_it() {
 fn queued_messages_are_taken_without_sleeping() {
     watchdog("queued_messages_are_taken_without_sleeping", 30, |_stage| {
         let chan = Arc::new(Channel::<u64>::new());
-        chan.push(Msg::new(1));
-        chan.push(Msg::new(2));
+        chan.push(Msg::new(1)).unwrap();
+        chan.push(Msg::new(2)).unwrap();
         assert_eq!(chan.len(), 2);
         let rx = chan.clone();
         let f = fiber(Priority::NORMAL, move || {
-            let a = rx.pop().into_inner();
-            let b = rx.pop().into_inner();
+            let a = rx.pop().unwrap().into_inner();
+            let b = rx.pop().unwrap().into_inner();
             (a, b)
         });
         assert_eq!(f.run().unwrap().unwrap_returned(), (1, 2));
@@ -81,7 +81,7 @@ fn messages_and_waiting_receivers_are_both_fifo() {
     watchdog("messages_and_waiting_receivers_are_both_fifo", 30, |stage| {
         let chan = Arc::new(Channel::<usize>::new());
         for i in 0..100 {
-            chan.push(Msg::new(i));
+            chan.push(Msg::new(i)).unwrap();
         }
         let got: Vec<usize> = std::iter::from_fn(|| chan.try_pop()).map(Msg::into_inner).collect();
         assert_eq!(got, (0..100).collect::<Vec<_>>());
@@ -89,7 +89,7 @@ fn messages_and_waiting_receivers_are_both_fifo() {
         let queue = RunQueue::<(usize, usize)>::new(N);
         for i in 0..N {
             let rx = chan.clone();
-            queue.try_push(fiber(Priority::NORMAL, move || (i, rx.pop().into_inner()))).unwrap();
+            queue.try_push(fiber(Priority::NORMAL, move || (i, rx.pop().unwrap().into_inner()))).unwrap();
         }
         stage.set("putting the receivers to sleep");
         while let Some(ran) = queue.run_next() {
@@ -98,7 +98,7 @@ fn messages_and_waiting_receivers_are_both_fifo() {
         assert_eq!(chan.receivers(), N);
         // Messages 1000.. go to receivers 0.. in order.
         for i in 0..N {
-            chan.push(Msg::new(1000 + i));
+            chan.push(Msg::new(1000 + i)).unwrap();
         }
         assert_eq!(chan.receivers(), 0);
         assert_eq!(queue.len(), N);
@@ -122,7 +122,7 @@ fn a_message_is_reused_without_reallocating() {
         for round in 1..=100u64 {
             m[0] = round;
             m[3] = round * 2;
-            chan.push(m);
+            chan.push(m).unwrap();
             m = chan.try_pop().expect("the message we pushed");
             assert_eq!(&*m as *const [u64; 4], addr, "round {round}: a new allocation");
             assert_eq!(*m, [round, 0, 0, round * 2]);
@@ -137,9 +137,9 @@ fn a_message_is_reused_without_reallocating() {
         queue
             .try_push(fiber(Priority::NORMAL, move || {
                 for _ in 0..3 {
-                    let mut m = rx.pop();
+                    let mut m = rx.pop().unwrap();
                     m.push('!');
-                    tx.push(m);
+                    tx.push(m).unwrap();
                 }
             }))
             .unwrap();
@@ -147,7 +147,7 @@ fn a_message_is_reused_without_reallocating() {
         let addr = &*m as *const String;
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
         for round in 0..3 {
-            to_fiber.push(m);
+            to_fiber.push(m).unwrap();
             assert_eq!(queue.len(), 1, "round {round}: the push woke the fiber");
             let ran = queue.run_next().unwrap();
             match ran.outcome {
@@ -190,7 +190,7 @@ fn raw_channel_carries_a_trailing_payload_block() {
         let rx = chan.clone();
         queue
             .try_push(fiber(Priority::NORMAL, move || {
-                let hdr = rx.pop();
+                let hdr = rx.pop().unwrap();
                 // SAFETY: the header describes `len` readable payload bytes
                 // that the test keeps alive and does not touch meanwhile.
                 let bytes = unsafe {
@@ -204,7 +204,7 @@ fn raw_channel_carries_a_trailing_payload_block() {
         assert_eq!(chan.receivers(), 1);
         // SAFETY: the block is a live, unmoved allocation pushed only here;
         // its header is the first field, so the pointers coincide.
-        unsafe { chan.push(NonNull::new(raw as *mut MsgHeader).unwrap()) };
+        unsafe { chan.push(NonNull::new(raw as *mut MsgHeader).unwrap()) }.unwrap();
         let (addr, bytes) = queue.run_next().unwrap().outcome.unwrap().unwrap_returned();
         assert_eq!(addr, raw as usize, "the receiver got the very header we pushed");
         assert_eq!(&bytes[..5], b"hello");
@@ -214,10 +214,10 @@ fn raw_channel_carries_a_trailing_payload_block() {
         // Queued, then popped without waiting, in FIFO order.
         // SAFETY: as above; the block is popped before it is freed.
         unsafe {
-            chan.push(NonNull::new(raw as *mut MsgHeader).unwrap());
+            chan.push(NonNull::new(raw as *mut MsgHeader).unwrap()).unwrap();
             let mut second = MsgHeader::new(std::ptr::null_mut(), 0);
             let second_ptr = NonNull::from(&mut second);
-            chan.push(second_ptr);
+            chan.push(second_ptr).unwrap();
             assert_eq!(chan.len(), 2);
             assert_eq!(chan.try_pop().map(NonNull::as_ptr), Some(raw as *mut MsgHeader));
             assert_eq!(chan.try_pop(), Some(second_ptr));
@@ -237,15 +237,15 @@ fn dropping_a_raw_channel_leaves_queued_headers_to_their_owners() {
         let chan = RawChannel::new();
         // SAFETY: both headers outlive the channel and are pushed only here.
         unsafe {
-            chan.push(NonNull::from(&mut a));
-            chan.push(NonNull::from(&mut b));
+            chan.push(NonNull::from(&mut a)).unwrap();
+            chan.push(NonNull::from(&mut b)).unwrap();
         }
         assert_eq!(chan.len(), 2);
     }
     // Reusable on another channel.
     let chan = RawChannel::new();
     // SAFETY: as above.
-    unsafe { chan.push(NonNull::from(&mut b)) };
+    unsafe { chan.push(NonNull::from(&mut b)) }.unwrap();
     // SAFETY: the popped header is `b`, alive in this frame.
     assert_eq!(chan.try_pop().map(|h| unsafe { h.as_ref().len }), Some(2));
     assert_eq!(a.len, 1);
@@ -284,7 +284,7 @@ fn pushing_a_header_that_is_on_a_channel_again_is_refused() {
         stage.set("queued: pushed again on the same channel and on another");
         // SAFETY: `h` lives until the end of the test; nothing touches it
         // while a channel owns it.
-        unsafe { chan.push(h) };
+        unsafe { chan.push(h) }.unwrap();
         for target in [&*chan, &other] {
             let msg = refused(target, h);
             assert!(says_what_to_do(&msg), "{msg}");
@@ -296,10 +296,10 @@ fn pushing_a_header_that_is_on_a_channel_again_is_refused() {
         stage.set("handed to a sleeping receiver that has not run yet");
         let queue = RunQueue::<usize>::new(1);
         let rx = chan.clone();
-        queue.try_push(fiber(Priority::NORMAL, move || rx.pop().as_ptr() as usize)).unwrap();
+        queue.try_push(fiber(Priority::NORMAL, move || rx.pop().unwrap().as_ptr() as usize)).unwrap();
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
         // SAFETY: as above.
-        unsafe { chan.push(h) }; // handed straight to the receiver
+        unsafe { chan.push(h) }.unwrap(); // handed straight to the receiver
         assert!(chan.is_empty());
         let msg = refused(&other, h);
         assert!(says_what_to_do(&msg), "{msg}");
@@ -308,7 +308,7 @@ fn pushing_a_header_that_is_on_a_channel_again_is_refused() {
 
         stage.set("popped: pushed again");
         // SAFETY: as above.
-        unsafe { other.push(h) };
+        unsafe { other.push(h) }.unwrap();
         assert_eq!(other.try_pop(), Some(h));
         // SAFETY: the header came from `Box::leak` and no channel holds it.
         drop(unsafe { Box::from_raw(h.as_ptr()) });
@@ -321,7 +321,7 @@ fn dropping_a_channel_drops_queued_messages() {
     let drops = DropCounter::default();
     let chan = Channel::<Counted>::new();
     for i in 0..5 {
-        chan.push(Msg::new(drops.make(i)));
+        chan.push(Msg::new(drops.make(i))).unwrap();
     }
     let first = chan.try_pop().unwrap();
     assert_eq!(first.1, 0);
@@ -352,7 +352,7 @@ fn a_panicking_message_drop_does_not_leak_the_rest_of_the_queue() {
     let drops = DropCounter::default();
     let chan = Channel::<PanicsFirst>::new();
     for i in 0..5 {
-        chan.push(Msg::new(PanicsFirst { _counted: drops.make(i), panics: i == 1 }));
+        chan.push(Msg::new(PanicsFirst { _counted: drops.make(i), panics: i == 1 })).unwrap();
     }
     let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(chan)));
     assert!(dropped.is_err(), "the message's panic reaches the channel's dropper");
@@ -365,8 +365,8 @@ fn a_panicking_message_drop_does_not_leak_the_rest_of_the_queue() {
 fn message_values_are_dropped_exactly_once() {
     let drops = DropCounter::default();
     let chan = Channel::<Counted>::new();
-    chan.push(Msg::new(drops.make(1)));
-    chan.push(Msg::new(drops.make(2)));
+    chan.push(Msg::new(drops.make(1))).unwrap();
+    chan.push(Msg::new(drops.make(2))).unwrap();
     let v = chan.try_pop().unwrap().into_inner();
     assert_eq!((v.1, drops.drops()), (1, 0));
     drop(v);
@@ -385,8 +385,8 @@ fn threads_and_fibers_exchange_messages() {
         let to_fiber = Arc::new(Channel::<u32>::new());
         let (rx, tx) = (to_thread.clone(), to_fiber.clone());
         let thread = std::thread::spawn(move || {
-            let v = rx.pop().into_inner();
-            tx.push(Msg::new(v + 1));
+            let v = rx.pop().unwrap().into_inner();
+            tx.push(Msg::new(v + 1)).unwrap();
             v
         });
         stage.set("waiting for the thread to wait on the channel");
@@ -395,8 +395,8 @@ fn threads_and_fibers_exchange_messages() {
         let queue = RunQueue::<u32>::new(1);
         let (tx, rx) = (to_thread.clone(), to_fiber.clone());
         let f = fiber(Priority::NORMAL, move || {
-            tx.push(Msg::new(10));
-            rx.pop().into_inner()
+            tx.push(Msg::new(10)).unwrap();
+            rx.pop().unwrap().into_inner()
         });
         queue.try_push(f.clone()).unwrap();
         stage.set("running the fiber; then waiting for the thread's reply");
@@ -427,16 +427,16 @@ fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
         let chan = Arc::new(Channel::<Counted>::new());
         let receiver = |chan: &Arc<Channel<Counted>>| {
             let rx = chan.clone();
-            let f = fiber(Priority::NORMAL, move || rx.pop().into_inner().1);
+            let f = fiber(Priority::NORMAL, move || rx.pop().unwrap().into_inner().1);
             assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
             f
         };
 
         stage.set("one receiver, handed a message, then dropped");
         let f = receiver(&chan);
-        chan.push(Msg::new(drops.make(1)));
+        chan.push(Msg::new(drops.make(1))).unwrap();
         assert_eq!((f.state(), chan.len()), (FiberState::Ready, 0));
-        chan.push(Msg::new(drops.make(2)));
+        chan.push(Msg::new(drops.make(2))).unwrap();
         drop(f);
         assert_eq!(drops.drops(), 0, "no message was dropped with the receiver");
         assert_eq!(chan.len(), 2);
@@ -445,7 +445,7 @@ fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
 
         stage.set("two receivers: the first is handed a message and dropped, the second gets it");
         let (first, second) = (receiver(&chan), receiver(&chan));
-        chan.push(Msg::new(drops.make(3)));
+        chan.push(Msg::new(drops.make(3))).unwrap();
         drop(first);
         assert_eq!(second.state(), FiberState::Ready, "the message was handed on");
         assert!(matches!(second.run(), Ok(RunOutcome::Returned(3))));
@@ -455,9 +455,9 @@ fn a_message_handed_to_a_receiver_dropped_before_it_ran_is_given_back() {
         for oldest_first in [true, false] {
             let mut rxs: Vec<_> = (0..3).map(|_| receiver(&chan)).collect();
             for i in 10..13 {
-                chan.push(Msg::new(drops.make(i)));
+                chan.push(Msg::new(drops.make(i))).unwrap();
             }
-            chan.push(Msg::new(drops.make(13))); // queued: nobody waits now
+            chan.push(Msg::new(drops.make(13))).unwrap(); // queued: nobody waits now
             if !oldest_first {
                 rxs.reverse();
             }
@@ -493,7 +493,7 @@ fn debug_into_a_writer_that_uses_the_channel_does_not_deadlock() {
     }
     watchdog("debug_into_a_writer_that_uses_the_channel_does_not_deadlock", 10, |_stage| {
         let chan = Channel::<u32>::new();
-        chan.push(Msg::new(1));
+        chan.push(Msg::new(1)).unwrap();
         let raw = RawChannel::new();
         let mut sink = Sink { chan: &chan, raw: &raw, out: String::new() };
         write!(sink, "{chan:?} {raw:?}").unwrap();
@@ -517,7 +517,8 @@ fn a_thread_local_channel_dropped_under_a_sleeping_fiber_does_not_abort() {
         let (tx, rx) = std::sync::mpsc::channel();
         let owner = std::thread::spawn(move || {
             let f = Fiber::new(Default::default()).unwrap();
-            f.set_function(Priority::NORMAL, || THREAD_CHANNEL.with(|c| c.pop().into_inner())).unwrap();
+            f.set_function(Priority::NORMAL, || THREAD_CHANNEL.with(|c| c.pop().unwrap().into_inner()))
+                .unwrap();
             assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
             assert_eq!(THREAD_CHANNEL.with(|c| c.receivers()), 1);
             tx.send(f).unwrap();

@@ -49,12 +49,12 @@ fn queues_and_primitives_show_their_counts() {
     sem.release(1);
 
     let chan = Channel::new();
-    chan.push(Msg::new(7u8));
-    assert_eq!(format!("{chan:?}"), "Channel { messages: 1, receivers: 0 }");
+    chan.push(Msg::new(7u8)).unwrap();
+    assert_eq!(format!("{chan:?}"), "Channel { messages: 1, receivers: 0, closed: false }");
     let msg = chan.try_pop().unwrap();
     assert!(format!("{msg:?}").contains('7'), "{msg:?}");
     let raw = RawChannel::new();
-    assert_eq!(format!("{raw:?}"), "RawChannel { messages: 0, receivers: 0 }");
+    assert_eq!(format!("{raw:?}"), "RawChannel { messages: 0, receivers: 0, closed: false }");
     let hdr = MsgHeader::new(std::ptr::null_mut(), 5);
     assert!(format!("{hdr:?}").contains("len: 5"), "{hdr:?}");
 }

@@ -106,7 +106,9 @@ fn an_interrupted_pop_takes_no_message_and_a_later_push_is_kept() {
         let chan = Arc::new(Channel::<u32>::new());
         let queue = RunQueue::new(4);
         let rx = chan.clone();
-        let f = fiber(Priority::NORMAL, move || rx.pop_interruptible().map(Msg::into_inner));
+        let f = fiber(Priority::NORMAL, move || {
+            rx.pop_interruptible().map(|m| m.expect("the channel is open").into_inner())
+        });
         queue.try_push(f.clone()).unwrap();
         assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
         assert_eq!(chan.receivers(), 1);
@@ -116,7 +118,7 @@ fn an_interrupted_pop_takes_no_message_and_a_later_push_is_kept() {
             other => panic!("{other:?}"),
         }
         assert_eq!(chan.receivers(), 0);
-        chan.push(Msg::new(5));
+        chan.push(Msg::new(5)).unwrap();
         assert_eq!(chan.try_pop().map(Msg::into_inner), Some(5), "the message waited in the channel");
     });
 }
@@ -143,7 +145,7 @@ fn interrupts_racing_releases_and_pushes_lose_nothing() {
                 (sem.clone(), chan.clone(), got_tokens.clone(), got_messages.clone(), interrupted.clone());
             let f = fiber(Priority::NORMAL, move || {
                 let r = if use_channel {
-                    c.pop_interruptible().map(|m| m.into_inner())
+                    c.pop_interruptible().map(|m| m.expect("the channel is open").into_inner())
                 } else {
                     s.acquire_interruptible().map(|()| 0)
                 };
@@ -170,7 +172,7 @@ fn interrupts_racing_releases_and_pushes_lose_nothing() {
                 b.wait();
                 spin(delay_signal);
                 if use_channel {
-                    c.push(Msg::new(round));
+                    c.push(Msg::new(round)).unwrap();
                 } else {
                     s.release(1);
                 }
@@ -245,12 +247,18 @@ fn interruptible_waits_in_a_dropped_fibers_destructor_do_not_wait() {
                 let mut seen = self.2.lock().unwrap();
                 seen.push(format!("{:?}", self.0.acquire_interruptible()));
                 seen.push(format!("{:?}", self.0.acquire_interruptible()));
-                seen.push(format!("{:?}", self.1.pop_interruptible().map(Msg::into_inner)));
-                seen.push(format!("{:?}", self.1.pop_interruptible().map(Msg::into_inner)));
+                seen.push(format!(
+                    "{:?}",
+                    self.1.pop_interruptible().map(|m| m.expect("the channel is open").into_inner())
+                ));
+                seen.push(format!(
+                    "{:?}",
+                    self.1.pop_interruptible().map(|m| m.expect("the channel is open").into_inner())
+                ));
             }
         }
         let (sem, chan) = (Arc::new(Semaphore::new(1)), Arc::new(Channel::new()));
-        chan.push(Msg::new(7));
+        chan.push(Msg::new(7)).unwrap();
         let seen: Seen = Arc::default();
         let guard = WaitsOnDrop(sem.clone(), chan.clone(), seen.clone());
         let f = fiber(Priority::NORMAL, move || {

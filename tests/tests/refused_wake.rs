@@ -150,10 +150,10 @@ fn a_value_for_a_fiber_refused_by_an_earlier_empty_wake_goes_to_the_next_waiter(
         stage.set("the same for a receiver on a channel");
         let chan = Arc::new(Channel::<u32>::new());
         let c = chan.clone();
-        let orphan = fiber(Priority::NORMAL, move || c.pop().into_inner());
+        let orphan = fiber(Priority::NORMAL, move || c.pop().unwrap().into_inner());
         asleep_with_its_queue_gone(&orphan);
         orphan.interrupt();
-        chan.push(Msg::new(7));
+        chan.push(Msg::new(7)).unwrap();
         assert_eq!((chan.len(), chan.receivers()), (1, 0), "the message went back to the channel");
         assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(7))), "run by hand, it takes it");
     });
@@ -167,21 +167,21 @@ fn a_message_handed_to_a_refused_receiver_goes_to_the_next_one_or_back_to_the_ch
         |stage| {
             let chan = Arc::new(Channel::<u32>::new());
             let c = chan.clone();
-            let orphan = fiber(Priority::NORMAL, move || c.pop().into_inner());
+            let orphan = fiber(Priority::NORMAL, move || c.pop().unwrap().into_inner());
             asleep_with_its_queue_gone(&orphan);
 
             stage.set("pushing with only the refused receiver waiting");
-            chan.push(Msg::new(7));
+            chan.push(Msg::new(7)).unwrap();
             assert_eq!((chan.len(), chan.receivers()), (1, 0), "the message went back to the channel");
             assert_eq!(chan.try_pop().map(Msg::into_inner), Some(7));
 
             stage.set("running the orphan: it waits again");
             assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
             let c = chan.clone();
-            let thread = std::thread::spawn(move || c.pop().into_inner());
+            let thread = std::thread::spawn(move || c.pop().unwrap().into_inner());
             spin_until(|| chan.receivers() == 2);
             stage.set("pushing with a thread waiting behind the refused receiver");
-            chan.push(Msg::new(8));
+            chan.push(Msg::new(8)).unwrap();
             assert_eq!(thread.join().unwrap(), 8, "the thread behind the refused receiver got it");
             assert!(chan.is_empty());
         },

@@ -531,7 +531,7 @@ fn stress(name: &'static str, cfg: Stress) {
             let data = Arc::new(Channel::<Item>::new());
             let free = Arc::new(Channel::<Item>::new());
             for _ in 0..cfg.in_flight {
-                free.push(Msg::new((0, 0)));
+                free.push(Msg::new((0, 0))).unwrap();
             }
             let seen: Arc<Vec<AtomicBool>> =
                 Arc::new((0..cfg.messages).map(|_| AtomicBool::new(false)).collect());
@@ -555,9 +555,9 @@ fn stress(name: &'static str, cfg: Stress) {
                 let (data, free) = (data.clone(), free.clone());
                 fibers.push(migratable(Box::new(move || {
                     for seq in 0..per_producer {
-                        let mut m = free.pop();
+                        let mut m = free.pop().unwrap();
                         *m = (p, seq);
-                        data.push(m);
+                        data.push(m).unwrap();
                         if seq % 64 == 63 {
                             yield_now();
                         }
@@ -572,9 +572,9 @@ fn stress(name: &'static str, cfg: Stress) {
                 fibers.push(migratable(Box::new(move || {
                     let mut last: Vec<Option<u64>> = vec![None; producers];
                     for _ in 0..per_consumer {
-                        let m = data.pop();
+                        let m = data.pop().unwrap();
                         let (p, seq) = *m;
-                        free.push(m);
+                        free.push(m).unwrap();
                         if p >= producers || seq >= per_producer {
                             tally.bad_ids.fetch_add(1, Ordering::Relaxed);
                             continue;

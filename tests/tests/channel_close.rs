@@ -1,0 +1,228 @@
+//! Closing a channel: pushes are refused and handed back, receivers take
+//! what was queued before and then get `None`, and receivers waiting at
+//! the close (fibers and threads, interruptible or not, refused by their
+//! scheduler or not) are woken with `None`. Nothing is lost: every message
+//! pushed is received or handed back.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{fiber, spin_until, watchdog};
+use spindle_fiber::{FiberState, Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::{Channel, Closed, Msg, RawChannel};
+
+/// Messages pushed before the close are still taken, in order; then `pop`,
+/// `pop_interruptible` and `try_pop` say there is nothing (without
+/// waiting), pushes come back in `Closed`, and a second close says it was
+/// closed already.
+#[test]
+fn a_closed_channel_gives_out_what_was_queued_then_none() {
+    watchdog("a_closed_channel_gives_out_what_was_queued_then_none", 30, |_| {
+        let chan = Channel::new();
+        assert!(!chan.is_closed());
+        for i in 1..=3 {
+            chan.push(Msg::new(i)).unwrap();
+        }
+        assert!(chan.close(), "this call closed it");
+        assert!(!chan.close(), "closed already");
+        assert!(chan.is_closed());
+        let mut m = match chan.push(Msg::new(4)) {
+            Err(Closed(m)) => m,
+            Ok(()) => panic!("a closed channel queued a message"),
+        };
+        assert_eq!(*m, 4, "the refused message comes back");
+        assert_eq!(chan.len(), 3, "and was not queued");
+        *m = 5; // still the caller's to use
+        assert_eq!(chan.pop().map(Msg::into_inner), Some(1));
+        assert_eq!(chan.try_pop().map(Msg::into_inner), Some(2));
+        assert_eq!(chan.pop_interruptible().unwrap().map(Msg::into_inner), Some(3));
+        assert!(chan.pop().is_none());
+        assert!(matches!(chan.pop_interruptible(), Ok(None)));
+        assert!(chan.try_pop().is_none());
+        assert_eq!(format!("{chan:?}"), "Channel { messages: 0, receivers: 0, closed: true }");
+        let err = chan.push(m).unwrap_err();
+        assert!(err.to_string().contains("the channel is closed"), "{err}");
+        assert_eq!(err.into_inner().into_inner(), 5);
+    });
+}
+
+/// Fibers (plain and interruptible) and a thread waiting on an empty
+/// channel are all woken by the close, with `None`.
+#[test]
+fn closing_wakes_every_waiting_receiver_with_none() {
+    watchdog("closing_wakes_every_waiting_receiver_with_none", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let queue = RunQueue::<bool>::new(4);
+        let rx = chan.clone();
+        let plain = fiber(Priority::NORMAL, move || rx.pop().is_none());
+        let rx = chan.clone();
+        let interruptible = fiber(Priority::NORMAL, move || matches!(rx.pop_interruptible(), Ok(None)));
+        queue.try_push(plain.clone()).unwrap();
+        queue.try_push(interruptible.clone()).unwrap();
+        while let Some(ran) = queue.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        let rx = chan.clone();
+        let thread = std::thread::spawn(move || rx.pop().is_none());
+        stage.set("waiting for the thread to wait");
+        spin_until(|| chan.receivers() == 3);
+
+        stage.set("closing");
+        assert!(chan.close());
+        assert_eq!(chan.receivers(), 0);
+        assert_eq!(plain.state(), FiberState::Queued, "woken onto its queue");
+        assert_eq!(interruptible.state(), FiberState::Queued);
+        assert!(thread.join().unwrap(), "the thread's pop returned None");
+        let mut got = 0;
+        while let Some(ran) = queue.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Returned(true))), "{:?}", ran.outcome);
+            got += 1;
+        }
+        assert_eq!(got, 2);
+    });
+}
+
+/// A receiver whose scheduler refuses the close's wake (its run queue is
+/// gone) is left ready, in no queue; the others are woken all the same,
+/// and the refused one, run by hand, finds the channel closed.
+#[test]
+fn a_receiver_refused_at_the_close_does_not_stop_the_others() {
+    watchdog("a_receiver_refused_at_the_close_does_not_stop_the_others", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let rx = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || rx.pop().is_none());
+        {
+            let queue = RunQueue::new(1);
+            queue.try_push(orphan.clone()).unwrap();
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        } // the queue goes: a wake of the orphan is refused
+        let rx = chan.clone();
+        let thread = std::thread::spawn(move || rx.pop().is_none());
+        stage.set("waiting for the thread to wait behind the orphan");
+        spin_until(|| chan.receivers() == 2);
+        stage.set("closing");
+        assert!(chan.close());
+        assert!(thread.join().unwrap(), "the thread behind the refused receiver was woken with None");
+        assert_eq!(orphan.state(), FiberState::Ready, "refused: ready, in no queue");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(true))), "run by hand, it sees the close");
+        assert_eq!((chan.len(), chan.receivers()), (0, 0));
+    });
+}
+
+/// Producers on several threads push while consumer fibers on worker
+/// threads and plain threads pop until `None`; one producer closes the
+/// channel in the middle. Every message is received exactly once or
+/// handed back to its producer: none is lost or seen twice, and every
+/// receiver ends.
+#[test]
+fn a_close_racing_pushes_and_receivers_loses_nothing() {
+    const PRODUCERS: usize = 3;
+    const PER_PRODUCER: usize = 3_000;
+    const FIBERS: usize = 4;
+    const THREADS: usize = 2;
+    watchdog("a_close_racing_pushes_and_receivers_loses_nothing", 120, |stage| {
+        for round in 0..5 {
+            stage.set(format!("round {round}"));
+            let chan = Arc::new(Channel::<usize>::new());
+            let seen =
+                Arc::new((0..PRODUCERS * PER_PRODUCER).map(|_| AtomicUsize::new(0)).collect::<Vec<_>>());
+            let queue: Arc<RunQueue<()>> = Arc::new(RunQueue::new(FIBERS));
+            for _ in 0..FIBERS {
+                let (rx, seen) = (chan.clone(), seen.clone());
+                queue
+                    .try_push(fiber(Priority::NORMAL, move || {
+                        while let Some(m) = rx.pop() {
+                            seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                        }
+                    }))
+                    .unwrap();
+            }
+            let finished = Arc::new(AtomicUsize::new(0));
+            let workers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (queue, finished) = (queue.clone(), finished.clone());
+                    std::thread::spawn(move || {
+                        while let Some(f) = queue.pop() {
+                            if let Ok(RunOutcome::Returned(())) = queue.run_popped(f).outcome {
+                                if finished.fetch_add(1, Ordering::SeqCst) + 1 == FIBERS {
+                                    queue.close();
+                                }
+                            }
+                        }
+                    })
+                })
+                .collect();
+            let threads: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    let (rx, seen) = (chan.clone(), seen.clone());
+                    std::thread::spawn(move || {
+                        while let Some(m) = rx.pop() {
+                            seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                        }
+                    })
+                })
+                .collect();
+            let producers: Vec<_> = (0..PRODUCERS)
+                .map(|p| {
+                    let chan = chan.clone();
+                    std::thread::spawn(move || {
+                        let mut refused = Vec::new();
+                        for i in 0..PER_PRODUCER {
+                            if p == 0 && i == PER_PRODUCER / 2 {
+                                chan.close();
+                            }
+                            if let Err(Closed(m)) = chan.push(Msg::new(p * PER_PRODUCER + i)) {
+                                refused.push(m.into_inner());
+                            }
+                        }
+                        refused
+                    })
+                })
+                .collect();
+            let mut refused = Vec::new();
+            for p in producers {
+                refused.extend(p.join().unwrap());
+            }
+            for t in threads.into_iter().chain(workers) {
+                t.join().unwrap();
+            }
+            for i in refused.iter().copied() {
+                assert_eq!(
+                    seen[i].load(Ordering::SeqCst),
+                    0,
+                    "round {round}: message {i} refused and received"
+                );
+                seen[i].fetch_add(1, Ordering::SeqCst);
+            }
+            assert!(refused.len() >= PER_PRODUCER / 2, "round {round}: pushes after the close were refused");
+            for (i, n) in seen.iter().enumerate() {
+                assert_eq!(
+                    n.load(Ordering::SeqCst),
+                    1,
+                    "round {round}: message {i} received or refused once"
+                );
+            }
+            assert_eq!((chan.len(), chan.receivers()), (0, 0));
+        }
+    });
+}
+
+/// The raw form: a refused header comes back in `Closed`, still the
+/// caller's, and `pop` returns `None` once closed and empty.
+#[test]
+fn a_closed_raw_channel_hands_the_header_back() {
+    let chan = RawChannel::new();
+    let hdr = Box::leak(Box::new(spindle_sync::MsgHeader::new(std::ptr::null_mut(), 0)));
+    let ptr = std::ptr::NonNull::from(&mut *hdr);
+    chan.close();
+    // SAFETY: a fresh header, alive until freed below.
+    let back = unsafe { chan.push(ptr) }.unwrap_err().into_inner();
+    assert_eq!(back, ptr);
+    assert!(chan.pop().is_none());
+    assert!(chan.try_pop().is_none());
+    // SAFETY: never queued: ours, made by Box::leak.
+    drop(unsafe { Box::from_raw(ptr.as_ptr()) });
+}
