@@ -120,7 +120,7 @@ pub fn defer_releases<R>(f: impl FnOnce() -> R) -> R {
         }
     }
     let thread = crate::current::thread_id();
-    let _end = enter_scope().then_some(End { thread });
+    let _end = enter_scope().then(|| End { thread });
     f()
 }
 

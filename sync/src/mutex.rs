@@ -279,15 +279,19 @@ impl<T: ?Sized> Mutex<T> {
     /// let mutex = Mutex::new(1);
     /// let guard = mutex.try_lock().unwrap();
     /// assert!(mutex.try_lock().is_none());
+    /// assert!(mutex.is_locked(), "a failed try_lock leaves the holder's lock alone");
     /// drop(guard);
     /// assert_eq!(*mutex.try_lock().unwrap(), 1);
     /// ```
     #[must_use = "try_lock may fail, and the lock is released when the guard is dropped"]
     pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        // `then`, not `then_some`: a guard built for a failed attempt would
+        // be dropped at once, and its drop would unlock the holder's lock
+        // (found in review).
         self.state
             .compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
-            .then_some(MutexGuard { mutex: self })
+            .then(|| MutexGuard { mutex: self })
     }
 
     /// The value, through `&mut` (no lock needed: nobody else can hold

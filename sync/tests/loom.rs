@@ -212,6 +212,12 @@ mod mutex_model {
             }
         }
 
+        /// `try_lock`: one CAS from 0, nothing else (a failed one leaves
+        /// the word alone).
+        pub(super) fn try_lock(&self) -> bool {
+            self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        }
+
         /// Returns whether the caller holds the lock.
         pub(super) fn lock(&self, waits: Waits) -> bool {
             if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_ok() {
@@ -303,6 +309,44 @@ fn mutex_model(second: mutex_model::Waits) {
         m.unlock();
         let held = lockers.into_iter().map(|t| usize::from(t.join().unwrap())).sum::<usize>();
         m.check_end(1 + held);
+    });
+}
+
+/// A holder, a waiter behind it, and a thread trying the lock once: a
+/// failed try changes nothing (no second holder, no hand-over while held).
+#[test]
+fn mutex_a_try_lock_racing_a_waiter_takes_the_lock_only_when_free() {
+    use mutex_model::{Waits, M};
+    let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(bound);
+    builder.check(|| {
+        let m = Arc::new(M::new());
+        assert!(m.lock(Waits::ForTheLock));
+        let waiter = {
+            let m = m.clone();
+            thread::spawn(move || {
+                assert!(m.lock(Waits::ForTheLock));
+                m.bump();
+                m.unlock();
+            })
+        };
+        let trier = {
+            let m = m.clone();
+            thread::spawn(move || {
+                let held = m.try_lock();
+                if held {
+                    m.bump();
+                    m.unlock();
+                }
+                usize::from(held)
+            })
+        };
+        m.bump();
+        m.unlock();
+        waiter.join().unwrap();
+        let tried = trier.join().unwrap();
+        m.check_end(2 + tried);
     });
 }
 

@@ -78,11 +78,17 @@ fn fibers_on_several_threads_and_plain_threads_exclude_each_other() {
             .map(|_| {
                 let (state, enter, leave) = (state.clone(), enter.clone(), leave.clone());
                 std::thread::spawn(move || {
-                    for _ in 0..ROUNDS {
-                        let mut n = state.lock();
-                        enter();
-                        *n += 1;
-                        leave();
+                    let mut done = 0;
+                    while done < ROUNDS {
+                        // Half the attempts with `try_lock`: a failed one
+                        // must change nothing.
+                        let guard = if done % 2 == 0 { state.try_lock() } else { Some(state.lock()) };
+                        if let Some(mut n) = guard {
+                            enter();
+                            *n += 1;
+                            leave();
+                            done += 1;
+                        }
                     }
                 })
             })
@@ -290,6 +296,39 @@ fn threads_and_fibers_wait_for_each_other() {
     });
 }
 
+/// A `try_lock` that fails changes nothing: the holder keeps the lock,
+/// and a waiter is not handed it. (Found in review: the failed attempt
+/// built a guard anyway and dropped it, which unlocked the holder's lock,
+/// or handed it to the first waiter while the holder still held it; so
+/// did formatting a held mutex, since `Debug` tries the lock.)
+#[test]
+fn a_failed_try_lock_leaves_the_holders_lock_alone() {
+    watchdog("a_failed_try_lock_leaves_the_holders_lock_alone", 30, |_| {
+        let mutex = Arc::new(Mutex::new(0));
+        let held = mutex.lock();
+        assert!(mutex.try_lock().is_none());
+        assert!(mutex.is_locked(), "a failed try_lock unlocked the holder's lock");
+        let _ = format!("{mutex:?}");
+        assert!(mutex.is_locked(), "formatting a held mutex unlocked it");
+        assert!(mutex.try_lock().is_none(), "and nobody else can take it");
+
+        // With a waiter: the failed attempt must not hand it the lock.
+        let queue = RunQueue::<()>::new(1);
+        let m = mutex.clone();
+        let waiter = fiber(Priority::NORMAL, move || *m.lock() += 1);
+        queue.try_push(waiter.clone()).unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        assert!(mutex.try_lock().is_none());
+        let _ = format!("{mutex:?}");
+        assert_eq!(waiter.state(), FiberState::Sleeping, "the waiter was handed the held lock");
+        assert!(queue.is_empty());
+        drop(held);
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+        assert!(!mutex.is_locked());
+        assert_eq!(*mutex.lock(), 1);
+    });
+}
+
 /// `Debug` shows the value when the mutex is free, and says it is locked
 /// otherwise (without waiting); `get_mut` and `into_inner` need no lock.
 #[test]
@@ -300,6 +339,7 @@ fn debug_get_mut_and_into_inner() {
         let guard = mutex.lock();
         assert_eq!(format!("{guard:?}"), "[1]");
         assert_eq!(format!("{mutex:?}"), "Mutex { value: <locked>, waiters: 0 }");
+        assert!(mutex.is_locked(), "still held after formatting");
     }
     mutex.get_mut().push(2);
     assert_eq!(mutex.into_inner(), [1, 2]);
