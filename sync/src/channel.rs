@@ -119,8 +119,16 @@ struct Synced {
     pushes: u64,
     receivers: WaitList,
     /// Set once by `close`: pushes are refused, and a receiver that finds
-    /// no message gets none instead of waiting.
+    /// no message gets none instead of waiting, once no hand-over is in
+    /// flight.
     closed: bool,
+    /// Pushes between handing a message to a waiting receiver and the end
+    /// of that receiver's wake (which runs outside the lock): a wake its
+    /// scheduler refuses gives the message back within that window, to the
+    /// next receiver or the queue. While one is in flight, `close` tells no
+    /// receiver that nothing will come; the last one to end does (closer
+    /// and pusher steps, DESIGN.md, "Close").
+    handing: usize,
 }
 
 // SAFETY: the message pointers are only dereferenced under the lock; the
@@ -185,11 +193,12 @@ impl Synced {
     }
 
     /// What a receiver takes now without waiting: the oldest message, or,
-    /// on a closed channel with none queued, null (no message will come).
+    /// with none queued, null if the channel is closed and no hand-over is
+    /// in flight (no message will come).
     fn take_now(&mut self) -> Option<*mut ()> {
         match self.pop_message() {
             Some(m) => Some(m.as_ptr().cast()),
-            None => self.closed.then_some(ptr::null_mut()),
+            None => (self.closed && self.handing == 0).then_some(ptr::null_mut()),
         }
     }
 }
@@ -205,6 +214,7 @@ impl Synced {
 /// let Err(Closed(msg)) = chan.push(Msg::new(7)) else { panic!("a closed channel takes nothing") };
 /// assert_eq!(*msg, 7); // handed back, to reuse or drop
 /// ```
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Closed<M>(pub M);
 
 impl<M> Closed<M> {
@@ -223,8 +233,7 @@ impl<M> fmt::Debug for Closed<M> {
 impl<M> fmt::Display for Closed<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(
-            "the channel is closed: the message was not queued and is handed back (Closed::into_inner); \
-             a closed channel stays closed, so stop sending, or send on a new channel",
+            "pushing on a closed channel: the message was not queued (Closed::into_inner hands it back)",
         )
     }
 }
@@ -290,6 +299,7 @@ impl RawChannel {
                 pushes: 0,
                 receivers: WaitList::new(),
                 closed: false,
+                handing: 0,
             }),
         }
     }
@@ -321,18 +331,20 @@ impl RawChannel {
     /// header runs at the same time (the check above cannot see one).
     pub unsafe fn push(&self, msg: NonNull<MsgHeader>) -> Result<(), Closed<NonNull<MsgHeader>>> {
         let mut synced = self.synced.lock();
-        if synced.closed {
-            return Err(Closed(msg));
-        }
         // SAFETY: the header is valid (the caller's contract); the link is
         // atomic, so this read is no race even for a header wrongly queued
-        // on another channel (or being handed to a receiver).
+        // on another channel (or being handed to a receiver). Checked
+        // before the closed flag: a header still on another channel must
+        // not come back as the caller's (found in review).
         if unsafe { msg.as_ref().next.load(Ordering::Relaxed) } != NOT_QUEUED {
             drop(synced);
             panic!(
                 "spindle-sync: RawChannel::push of a header that is on a channel already (queued, or \
                  being handed to a receiver): pop it before pushing it again"
             );
+        }
+        if synced.closed {
+            return Err(Closed(msg));
         }
         synced.pushes += 1;
         // SAFETY: as above; the channel owns the header from here.
@@ -346,11 +358,23 @@ impl RawChannel {
             // receiver's.
             // SAFETY: as above; the receiver's `pop` marks it unqueued.
             unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
+            // Pusher step 1 (under the lock): a hand-over is in flight.
+            synced.handing += 1;
             let wakeup = synced.receivers.pop_front(msg.as_ptr().cast()).expect("a receiver is waiting");
             #[cfg(test)]
             tests::after_handoff();
             drop(synced);
+            // Step 2: the wake; a refusal gives the message back (to the
+            // next receiver or the queue) before `deliver` returns.
             wakeup.deliver();
+            // Step 3 (under the lock): the hand-over has ended; the last
+            // one to end after a close tells the receivers left that
+            // nothing will come.
+            let mut synced = self.synced.lock();
+            synced.handing -= 1;
+            if synced.closed && synced.handing == 0 {
+                Self::wake_receivers_closed(synced);
+            }
             return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -427,25 +451,33 @@ impl RawChannel {
         if synced.closed {
             return false;
         }
+        // Closer step 1: no push hands a message over after this.
         synced.closed = true;
-        // Waiting receivers found the queue empty, and nothing was queued
-        // since (a push would have been handed to one of them): each is
-        // woken with null, one lock hold each (no list of them is kept).
-        // In a scope: a receiver whose last reference a wake drops is
-        // unwound only once every receiver is woken (DESIGN.md, "Deferred
-        // releases").
-        spindle_fiber::defer_releases(move || loop {
-            let Some(wakeup) = synced.receivers.pop_front(ptr::null_mut()) else {
-                break;
-            };
-            parking_lot::MutexGuard::unlocked(&mut synced, || wakeup.deliver());
-        });
+        // Step 2: with no hand-over in flight, the receivers waiting now
+        // found the queue empty and nothing can come to them: tell them.
+        // Else the last push to end its hand-over does (a refused wake may
+        // still give its message back to one of them).
+        if synced.handing == 0 {
+            Self::wake_receivers_closed(synced);
+        }
         true
     }
 
     /// Whether the channel is closed.
     pub fn is_closed(&self) -> bool {
         self.synced.lock().closed
+    }
+
+    /// Wakes every waiting receiver with null (nothing will come), one
+    /// lock hold each, the wakes delivered outside the lock. In a scope: a
+    /// receiver whose last reference a wake drops is unwound only once
+    /// every receiver is woken (DESIGN.md, "Deferred releases").
+    fn wake_receivers_closed(mut synced: parking_lot::MutexGuard<'_, Synced>) {
+        spindle_fiber::defer_releases(move || {
+            while let Some(wakeup) = synced.receivers.pop_front(ptr::null_mut()) {
+                parking_lot::MutexGuard::unlocked(&mut synced, || wakeup.deliver());
+            }
+        });
     }
 
     /// Takes the oldest message if there is one.
@@ -683,7 +715,11 @@ impl<T> Channel<T> {
     /// thread parks. `None` once the channel is closed and every message
     /// pushed before has been taken: a receiver waiting when the channel
     /// closes is woken with `None`, so `while let Some(m) = chan.pop()`
-    /// reads until the sender closes.
+    /// reads until the sender closes. (One message can come back later: one
+    /// handed to a receiver fiber that was woken but dropped before it ran,
+    /// after the close. Its unwind puts the message back into the channel,
+    /// where `pop` and `try_pop` still find it; a reader that saw `None`
+    /// before does not.)
     ///
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example

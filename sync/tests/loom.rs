@@ -364,3 +364,182 @@ fn mutex_a_waiter_that_gives_up_leaves_the_lock_to_the_others() {
 fn mutex_a_refused_hand_over_goes_on_to_the_next_waiter() {
     mutex_model(mutex_model::Waits::RefusesTheHandOver);
 }
+
+/// Loom model of `RawChannel::close` against a push whose hand-over is
+/// refused (sync/src/channel.rs: `push` steps 1-3, `close` steps 1-2,
+/// `Synced::take_now`, `wake_receivers_closed`, `Synced::give_back`),
+/// mirrored with a loom mutex over the channel's state, and parked threads
+/// as receivers. A push hands its message to the first waiter, an orphan
+/// whose scheduler refuses the wake (the refusal gives the message back:
+/// to the next waiter, or the queue); a live receiver reads until `None`,
+/// linked behind the orphan or coming later; a closer closes. The live
+/// receiver must get an accepted message, then `None`, and never wait for
+/// ever. With the closer waking the receivers whatever the count of
+/// hand-overs in flight, and receivers told `None` once the channel is
+/// closed (the first version), loom finds the execution where the
+/// receiver gets `None` first and the message is stranded.
+mod close_model {
+    use std::collections::VecDeque;
+
+    use loom::sync::atomic::{AtomicUsize, Ordering};
+    use loom::sync::{Arc, Mutex, MutexGuard};
+    use loom::thread;
+
+    const MESSAGE: usize = 7;
+    /// A node's value: not handed yet.
+    const WAITING: usize = 0;
+    /// A node's value: woken with nothing (closed).
+    const NOTHING: usize = 1;
+
+    struct Node {
+        value: AtomicUsize,
+        thread: thread::Thread,
+    }
+
+    struct Synced {
+        queue: VecDeque<usize>,
+        waiters: VecDeque<Arc<Node>>,
+        closed: bool,
+        handing: usize,
+    }
+
+    pub(super) struct Chan {
+        synced: Mutex<Synced>,
+        /// The first version: the close and the receivers ignore
+        /// hand-overs in flight.
+        ignores_hand_overs: bool,
+    }
+
+    fn wake_receivers_closed<'a>(mut s: MutexGuard<'a, Synced>, chan: &'a Chan) {
+        while let Some(node) = s.waiters.pop_front() {
+            node.value.store(NOTHING, Ordering::Release);
+            drop(s);
+            node.thread.unpark();
+            s = chan.synced.lock().unwrap();
+        }
+    }
+
+    impl Chan {
+        pub(super) fn new(ignores_hand_overs: bool) -> Chan {
+            Chan {
+                ignores_hand_overs,
+                synced: Mutex::new(Synced {
+                    queue: VecDeque::new(),
+                    waiters: VecDeque::new(),
+                    closed: false,
+                    handing: 0,
+                }),
+            }
+        }
+
+        /// Returns whether the push was accepted (refused once closed).
+        pub(super) fn push_to_a_refused_receiver(&self) -> bool {
+            {
+                let mut s = self.synced.lock().unwrap();
+                if s.closed {
+                    return false;
+                }
+                // Step 1: handed to the orphan, whose wake will be refused.
+                drop(s.waiters.pop_front().expect("the orphan waits first"));
+                s.handing += 1;
+            }
+            {
+                // Step 2: the refusal's `give_back`.
+                let mut s = self.synced.lock().unwrap();
+                match s.waiters.pop_front() {
+                    Some(node) => {
+                        node.value.store(MESSAGE, Ordering::Release);
+                        drop(s);
+                        node.thread.unpark();
+                    }
+                    None => s.queue.push_back(MESSAGE),
+                }
+            }
+            // Step 3.
+            let mut s = self.synced.lock().unwrap();
+            s.handing -= 1;
+            if s.closed && s.handing == 0 {
+                wake_receivers_closed(s, self);
+            }
+            true
+        }
+
+        pub(super) fn close(&self) {
+            let mut s = self.synced.lock().unwrap();
+            s.closed = true;
+            if s.handing == 0 || self.ignores_hand_overs {
+                wake_receivers_closed(s, self);
+            }
+        }
+
+        /// `pop`: a message, or `None` once closed with no hand-over in
+        /// flight (`take_now`); else link and park.
+        pub(super) fn pop(&self) -> Option<usize> {
+            let node = {
+                let mut s = self.synced.lock().unwrap();
+                if let Some(m) = s.queue.pop_front() {
+                    return Some(m);
+                }
+                if s.closed && (s.handing == 0 || self.ignores_hand_overs) {
+                    return None;
+                }
+                let node = Arc::new(Node { value: AtomicUsize::new(WAITING), thread: thread::current() });
+                s.waiters.push_back(node.clone());
+                node
+            };
+            loop {
+                match node.value.load(Ordering::Acquire) {
+                    WAITING => thread::park(),
+                    NOTHING => return None,
+                    m => return Some(m),
+                }
+            }
+        }
+
+        /// Links the orphan: a waiter no thread will run.
+        pub(super) fn link_orphan(&self) {
+            let node = Arc::new(Node { value: AtomicUsize::new(WAITING), thread: thread::current() });
+            self.synced.lock().unwrap().waiters.push_back(node);
+        }
+    }
+
+    pub(super) fn model(ignores_hand_overs: bool) {
+        let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(bound);
+        builder.check(move || {
+            let chan = Arc::new(Chan::new(ignores_hand_overs));
+            chan.link_orphan();
+            let receiver = {
+                let chan = chan.clone();
+                thread::spawn(move || {
+                    let mut got = Vec::new();
+                    while let Some(m) = chan.pop() {
+                        got.push(m);
+                    }
+                    got
+                })
+            };
+            let pusher = {
+                let chan = chan.clone();
+                thread::spawn(move || chan.push_to_a_refused_receiver())
+            };
+            chan.close();
+            let accepted = pusher.join().unwrap();
+            let got = receiver.join().unwrap();
+            let want: &[usize] = if accepted { &[MESSAGE] } else { &[] };
+            assert_eq!(got, want, "an accepted message reached the live receiver before None (not stranded)");
+        });
+    }
+}
+
+#[test]
+fn close_waits_for_a_refused_hand_over_before_telling_receivers_none() {
+    close_model::model(false);
+}
+
+#[test]
+#[should_panic(expected = "not stranded")]
+fn a_close_that_ignores_hand_overs_in_flight_strands_the_message() {
+    close_model::model(true);
+}

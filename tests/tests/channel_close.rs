@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
 
 use common::{fiber, spin_until, watchdog};
 use spindle_fiber::{FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
-use spindle_sync::{Channel, Closed, Msg, RawChannel};
+use spindle_sync::{Channel, Closed, Msg, MsgHeader, RawChannel};
 
 /// Messages pushed before the close are still taken, in order; then `pop`,
 /// `pop_interruptible` and `try_pop` say there is nothing (without
@@ -44,7 +44,7 @@ fn a_closed_channel_gives_out_what_was_queued_then_none() {
         assert!(chan.try_pop().is_none());
         assert_eq!(format!("{chan:?}"), "Channel { messages: 0, receivers: 0, closed: true }");
         let err = chan.push(m).unwrap_err();
-        assert!(err.to_string().contains("the channel is closed"), "{err}");
+        assert!(err.to_string().contains("closed channel"), "{err}");
         assert_eq!(err.into_inner().into_inner(), 5);
     });
 }
@@ -225,4 +225,176 @@ fn a_closed_raw_channel_hands_the_header_back() {
     assert!(chan.try_pop().is_none());
     // SAFETY: never queued: ours, made by Box::leak.
     drop(unsafe { Box::from_raw(ptr.as_ptr()) });
+}
+
+/// A home that holds the first wake in `schedule` until `go`, then refuses
+/// it (a scheduler shutting down while the wake is in flight).
+#[derive(Default)]
+struct SlowRefuser {
+    entered: AtomicBool,
+    go: AtomicBool,
+}
+
+impl spindle_fiber::Schedule<()> for SlowRefuser {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        if !self.entered.swap(true, Ordering::SeqCst) {
+            spin_until(|| self.go.load(Ordering::SeqCst));
+        }
+        Err(w)
+    }
+}
+
+/// A push hands its message to a receiver whose wake is then refused
+/// (its scheduler shut down), and the channel closes while that wake is
+/// in flight, with a live receiver waiting behind: the close must not tell
+/// the live receiver that nothing will come before the refused message has
+/// been given back, so the live receiver gets it, then `None`. (Found in
+/// review: the close woke it with `None` first, and the message was then
+/// queued on a channel nobody read any more.)
+#[test]
+fn a_close_during_a_refused_hand_over_lets_the_message_reach_a_live_receiver() {
+    watchdog("a_close_during_a_refused_hand_over_lets_the_message_reach_a_live_receiver", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let rx = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _ = rx.pop();
+        });
+        let home = Arc::new(SlowRefuser::default());
+        let dyn_home: Arc<dyn spindle_fiber::Schedule<()>> = home.clone();
+        orphan.set_home(Some(&dyn_home)).unwrap();
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        let rx = chan.clone();
+        let consumer = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            while let Some(m) = rx.pop() {
+                got.push(m.into_inner());
+            }
+            got
+        });
+        spin_until(|| chan.receivers() == 2);
+        stage.set("pushing: handed to the orphan, its wake held in `schedule`");
+        let tx = chan.clone();
+        let producer = std::thread::spawn(move || tx.push(Msg::new(1)).is_ok());
+        spin_until(|| home.entered.load(Ordering::SeqCst));
+        stage.set("closing while the wake is in flight");
+        assert!(chan.close());
+        assert_eq!(chan.receivers(), 1, "the live receiver is not told yet");
+        home.go.store(true, Ordering::SeqCst);
+        assert!(producer.join().unwrap(), "the push was accepted");
+        assert_eq!(consumer.join().unwrap(), [1], "the live receiver got the message, then None");
+        assert!(chan.try_pop().is_none() && chan.receivers() == 0);
+    });
+}
+
+/// The same race with nothing slowed down: a receiver whose run queue is
+/// gone, a live thread behind it, and a push and a close on two threads.
+/// Every accepted message reaches the live receiver.
+#[test]
+fn pushes_racing_a_close_with_a_refused_receiver_reach_the_live_one() {
+    watchdog("pushes_racing_a_close_with_a_refused_receiver_reach_the_live_one", 120, |stage| {
+        for round in 0..300 {
+            stage.set(format!("round {round}"));
+            let chan = Arc::new(Channel::<u32>::new());
+            let rx = chan.clone();
+            let orphan = fiber(Priority::NORMAL, move || {
+                let _ = rx.pop();
+            });
+            {
+                let queue = RunQueue::new(1);
+                queue.try_push(orphan.clone()).unwrap();
+                assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+            }
+            let rx = chan.clone();
+            let consumer = std::thread::spawn(move || {
+                let mut n = 0;
+                while rx.pop().is_some() {
+                    n += 1;
+                }
+                n
+            });
+            spin_until(|| chan.receivers() == 2);
+            let go = Arc::new(Barrier::new(2));
+            let (tx, go2) = (chan.clone(), go.clone());
+            let producer = std::thread::spawn(move || {
+                go2.wait();
+                tx.push(Msg::new(1)).is_ok()
+            });
+            go.wait();
+            chan.close();
+            let pushed = producer.join().unwrap();
+            let got = consumer.join().unwrap();
+            assert_eq!(
+                got,
+                usize::from(pushed),
+                "round {round}: an accepted message reached the live receiver"
+            );
+            assert!(chan.try_pop().is_none(), "round {round}: nothing left in the closed channel");
+        }
+    });
+}
+
+/// A receiver woken with a message (queued on its run queue) and dropped
+/// before it runs, after the close told the other receivers `None`: the
+/// unwind puts the message back into the channel (never lost, never freed
+/// under anyone), where `try_pop` and `pop` still find it. The close
+/// cannot wait for a woken receiver that may run much later; the docs say
+/// so.
+#[test]
+fn a_message_given_back_after_the_close_waits_in_the_channel() {
+    watchdog("a_message_given_back_after_the_close_waits_in_the_channel", 30, |_| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let queue = RunQueue::new(1);
+        let rx = chan.clone();
+        queue.try_push(fiber(Priority::NORMAL, move || rx.pop().map(Msg::into_inner))).unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        chan.push(Msg::new(1)).unwrap(); // handed to the fiber, which is queued
+        assert!(chan.close());
+        assert!(chan.pop().is_none(), "closed and empty now");
+        drop(queue); // the woken fiber is dropped before it ran: gives 1 back
+        assert_eq!(chan.len(), 1);
+        assert_eq!(chan.pop().map(Msg::into_inner), Some(1), "pop takes it before saying None");
+        assert!(chan.pop().is_none());
+    });
+}
+
+/// A receiver whose hand-over was taken back (its wake refused) and that
+/// is run by hand after the close takes the queued message, then `None`.
+#[test]
+fn a_revoked_receiver_run_after_the_close_takes_the_queued_message() {
+    watchdog("a_revoked_receiver_run_after_the_close_takes_the_queued_message", 30, |_| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let rx = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || (rx.pop().map(Msg::into_inner), rx.pop().is_none()));
+        {
+            let queue = RunQueue::new(1);
+            queue.try_push(orphan.clone()).unwrap();
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        }
+        chan.push(Msg::new(5)).unwrap(); // refused: back to the queue
+        assert_eq!(chan.len(), 1);
+        chan.close();
+        match orphan.run() {
+            Ok(RunOutcome::Returned(r)) => assert_eq!(r, (Some(5), true)),
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+/// Pushing a header that is still queued on another channel panics, as
+/// documented, even when this channel is closed: handing it back as the
+/// caller's would let the caller free a header another channel still
+/// links (found in review).
+#[test]
+fn a_raw_push_of_a_queued_header_onto_a_closed_channel_panics() {
+    let (a, b) = (RawChannel::new(), RawChannel::new());
+    let h = std::ptr::NonNull::from(Box::leak(Box::new(MsgHeader::new(std::ptr::null_mut(), 0))));
+    // SAFETY: a fresh header, alive until freed below.
+    unsafe { a.push(h) }.unwrap();
+    b.close();
+    // SAFETY: as above (the push is refused before it touches anything).
+    let pushed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { b.push(h) }.is_err()));
+    assert!(pushed.is_err(), "a header queued on another channel was handed back as the caller's");
+    assert_eq!(a.try_pop(), Some(h));
+    // SAFETY: popped: ours again, made by Box::leak.
+    drop(unsafe { Box::from_raw(h.as_ptr()) });
 }
