@@ -364,17 +364,13 @@ impl RawChannel {
             #[cfg(test)]
             tests::after_handoff();
             drop(synced);
+            // Step 3 in a guard, so that it runs even if the wake unwinds
+            // (a scheduler that panics, against `Schedule`'s contract).
+            let ends = HandOverEnds(self);
             // Step 2: the wake; a refusal gives the message back (to the
             // next receiver or the queue) before `deliver` returns.
             wakeup.deliver();
-            // Step 3 (under the lock): the hand-over has ended; the last
-            // one to end after a close tells the receivers left that
-            // nothing will come.
-            let mut synced = self.synced.lock();
-            synced.handing -= 1;
-            if synced.closed && synced.handing == 0 {
-                Self::wake_receivers_closed(synced);
-            }
+            drop(ends);
             return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -498,6 +494,29 @@ impl RawChannel {
     /// Receivers waiting now.
     pub fn receivers(&self) -> usize {
         self.synced.lock().receivers.len()
+    }
+}
+
+/// Pusher step 3 (under the lock): a hand-over has ended; the last one to
+/// end after a close tells the receivers left that nothing will come. A
+/// guard: it runs when the wake unwinds too, or the count would keep the
+/// close from ever telling them.
+struct HandOverEnds<'a>(&'a RawChannel);
+
+impl Drop for HandOverEnds<'_> {
+    fn drop(&mut self) {
+        let mut synced = self.0.synced.lock();
+        synced.handing -= 1;
+        if synced.closed && synced.handing == 0 {
+            if std::thread::panicking() {
+                // Unwinding (a wake that panicked): a panic of these wakes
+                // must not escape a destructor during cleanup.
+                let wake = std::panic::AssertUnwindSafe(move || RawChannel::wake_receivers_closed(synced));
+                let _ = std::panic::catch_unwind(wake);
+            } else {
+                RawChannel::wake_receivers_closed(synced);
+            }
+        }
     }
 }
 

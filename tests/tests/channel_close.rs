@@ -398,3 +398,42 @@ fn a_raw_push_of_a_queued_header_onto_a_closed_channel_panics() {
     // SAFETY: popped: ours again, made by Box::leak.
     drop(unsafe { Box::from_raw(h.as_ptr()) });
 }
+
+/// A scheduler that panics in `schedule` (against the trait's contract).
+struct PanicsInSchedule;
+
+impl spindle_fiber::Schedule<()> for PanicsInSchedule {
+    fn schedule<'w>(&self, _fiber: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        panic!("schedule panics");
+    }
+}
+
+/// A push whose wake panics (its receiver's scheduler breaks the trait's
+/// contract) still ends its hand-over: a later close tells the receiver
+/// waiting behind that nothing will come, instead of waiting for the
+/// unwound push for ever.
+#[test]
+fn a_push_whose_wake_panics_still_lets_the_close_wake_the_others() {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    watchdog("a_push_whose_wake_panics_still_lets_the_close_wake_the_others", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let home: Arc<dyn spindle_fiber::Schedule<()>> = Arc::new(PanicsInSchedule);
+        let rx = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _ = rx.pop();
+        });
+        orphan.set_home(Some(&home)).unwrap();
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        let rx = chan.clone();
+        let thread = std::thread::spawn(move || rx.pop().map(Msg::into_inner));
+        spin_until(|| chan.receivers() == 2);
+        stage.set("pushing: the wake panics");
+        let pushed = catch_unwind(AssertUnwindSafe(|| chan.push(Msg::new(1))));
+        assert!(pushed.is_err(), "the scheduler's panic comes out of push");
+        stage.set("closing: the thread behind must be told");
+        assert!(chan.close());
+        assert_eq!(thread.join().unwrap(), None);
+        assert_eq!(chan.receivers(), 0);
+        drop(orphan);
+    });
+}
