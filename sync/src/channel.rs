@@ -368,9 +368,20 @@ impl RawChannel {
             // (a scheduler that panics, against `Schedule`'s contract).
             let ends = HandOverEnds(self);
             // Step 2: the wake; a refusal gives the message back (to the
-            // next receiver or the queue) before `deliver` returns.
-            wakeup.deliver();
-            drop(ends);
+            // next receiver or the queue) as it is dropped.
+            match wakeup.deliver_keeping_refusal() {
+                None => drop(ends),
+                // Letting go of the refused fiber may release its last
+                // reference and unwind it here, and a destructor of it may
+                // close this channel and drain it: in a scope, so that the
+                // unwind comes after step 3 (found in review: the drain's
+                // `pop`, unable to sleep, parked the thread waiting for a
+                // step 3 that only ran after it).
+                Some(refused) => spindle_fiber::defer_releases(move || {
+                    drop(refused);
+                    drop(ends);
+                }),
+            }
             return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -734,11 +745,11 @@ impl<T> Channel<T> {
     /// thread parks. `None` once the channel is closed and every message
     /// pushed before has been taken: a receiver waiting when the channel
     /// closes is woken with `None`, so `while let Some(m) = chan.pop()`
-    /// reads until the sender closes. (One message can come back later: one
+    /// reads until the sender closes. (A message can come back later: one
     /// handed to a receiver fiber that was woken but dropped before it ran,
-    /// after the close. Its unwind puts the message back into the channel,
-    /// where `pop` and `try_pop` still find it; a reader that saw `None`
-    /// before does not.)
+    /// after the close, or whose wake a scheduler of one's own refused
+    /// late. It goes back into the channel, where `pop` and `try_pop`
+    /// still find it; a reader that saw `None` before does not.)
     ///
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example

@@ -239,13 +239,24 @@ impl Wakeup {
     /// next waiter, who is woken the same way, and so on.
     #[inline]
     pub(crate) fn deliver(self) {
+        // A refusal, dropped, lets go of the fiber through its wait hook
+        // and wakes whoever the value goes on to, in a loop (`RefusedWake`'s
+        // drop: no recursion for a row of refused fibers).
+        drop(self.deliver_keeping_refusal());
+    }
+
+    /// [`deliver`](Wakeup::deliver), handing a refusal back instead of
+    /// dropping it, so that the caller decides when the refused fiber is
+    /// let go of (its value taken back, and maybe its last reference
+    /// released: its stack unwound there).
+    #[inline]
+    pub(crate) fn deliver_keeping_refusal(self) -> Option<spindle_fiber::RefusedWake> {
         match self.sleeper {
-            Sleeper::Thread(t) => t.unpark(),
-            // A refusal, dropped, lets go of the fiber through its wait
-            // hook and wakes whoever the value goes on to, in a loop
-            // (`RefusedWake`'s drop: no recursion for a row of refused
-            // fibers).
-            Sleeper::Fiber(w) => drop(w.try_wake()),
+            Sleeper::Thread(t) => {
+                t.unpark();
+                None
+            }
+            Sleeper::Fiber(w) => w.try_wake().err(),
         }
     }
 }

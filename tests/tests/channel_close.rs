@@ -437,3 +437,45 @@ fn a_push_whose_wake_panics_still_lets_the_close_wake_the_others() {
         drop(orphan);
     });
 }
+
+/// Closes its channel and drains it when dropped.
+struct ClosesAndDrains(Arc<Channel<u32>>);
+
+impl Drop for ClosesAndDrains {
+    fn drop(&mut self) {
+        self.0.close();
+        while self.0.pop().is_some() {}
+    }
+}
+
+/// A refused receiver whose last reference goes when the push lets go of
+/// it is unwound on the pushing thread; its destructor closes the channel
+/// and drains it with `pop` (a thread wait there: a dropped fiber cannot
+/// sleep). The unwind comes after the push has ended its hand-over, so the
+/// drain finds the channel closed and empty and returns. (Found in review:
+/// the unwind ran inside the hand-over, whose count kept the `pop` waiting
+/// for the push, which waited for the `pop`.)
+#[test]
+fn a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
+    watchdog("a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let (rx, guard) = (chan.clone(), ClosesAndDrains(chan.clone()));
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _guard = guard;
+            let _ = rx.pop();
+        });
+        {
+            let queue = RunQueue::new(1);
+            queue.try_push(orphan.clone()).unwrap();
+            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        } // the queue goes: a wake of the orphan is refused
+        drop(orphan); // its wait node's waiter is its last reference now
+        let rx = chan.clone();
+        let thread = std::thread::spawn(move || rx.pop().map(Msg::into_inner));
+        spin_until(|| chan.receivers() == 2);
+        stage.set("pushing: refused, handed on to the thread; the orphan unwinds, closes and drains");
+        chan.push(Msg::new(1)).unwrap();
+        assert_eq!(thread.join().unwrap(), Some(1));
+        assert!(chan.is_closed(), "the orphan's destructor closed it");
+    });
+}
