@@ -25,7 +25,7 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// payload's `Drop`, it cannot wait for that thread: the shutdown then runs on a
 /// thread of its own, and `drop` returns at once.) Fibers in an
 /// interruptible wait on a `spindle-sync` primitive
-/// (`acquire_interruptible`, `pop_interruptible`) are interrupted and
+/// (`acquire_interruptible`, `lock_interruptible`, `pop_interruptible`) are interrupted and
 /// unwind at their next cancellation point. Fibers asleep in a plain wait
 /// on a primitive are not unwound by the shutdown (their joins fail as
 /// cancelled): the primitive's wait list holds them. One signalled
@@ -779,7 +779,8 @@ impl<T: Send> JoinHandle<T> {
     /// blocked in `join` on another fiber waits until that fiber completes,
     /// then unwinds in `join` (the joined fiber's value is dropped). One
     /// in an interruptible wait on a `spindle-sync` primitive
-    /// (`Semaphore::acquire_interruptible`, `Channel::pop_interruptible`) is
+    /// (`Semaphore::acquire_interruptible`, `Mutex::lock_interruptible`,
+    /// `Channel::pop_interruptible`) is
     /// interrupted: the wait returns `Err(Interrupted)` at once (or, if the
     /// fiber is not waiting yet, its next interruptible wait does), and the
     /// fiber unwinds at its next executor suspension point. One asleep in a

@@ -1,5 +1,6 @@
 //! An opt-in M:N fiber pool for Spindle: a user who adopts it writes
-//! `spawn`, `join`, channels and semaphores and never thinks about workers.
+//! `spawn`, `join`, channels, mutexes and semaphores and never thinks about
+//! workers.
 //!
 //! ```
 //! # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -53,9 +54,10 @@
 //! code that catches panics should let it go on
 //! (`std::panic::resume_unwind`). Waits on `spindle-sync` primitives are not
 //! cancellation points, but a cancel interrupts their interruptible forms
-//! (`Semaphore::acquire_interruptible`, `Channel::pop_interruptible`): the
-//! wait returns `Err(Interrupted)`, and the fiber unwinds at its next
-//! cancellation point. A fiber in a plain `acquire` or `pop` keeps waiting.
+//! (`Semaphore::acquire_interruptible`, `Mutex::lock_interruptible`,
+//! `Channel::pop_interruptible`): the wait returns `Err(Interrupted)`, and
+//! the fiber unwinds at its next cancellation point. A fiber in a plain
+//! `acquire`, `lock` or `pop` keeps waiting.
 //! [`interrupt_after`] gives the same waits a timeout.
 //!
 //! # Deadlock detection
@@ -175,7 +177,7 @@ pub use scope::{Scope, ScopedJoinHandle};
 pub use spindle_fiber::{FiberId, Priority};
 pub use task::{JoinError, PanicPayload};
 
-/// The fiber-aware channels and semaphores (`spindle-sync`), which work
+/// The fiber-aware channels, mutexes and semaphores (`spindle-sync`), which work
 /// unchanged inside executor fibers: a fiber that waits sleeps and frees
 /// its worker.
 pub use spindle_sync as sync;

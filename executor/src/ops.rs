@@ -274,8 +274,8 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 
 /// Runs `f` with a deadline: once `d` has passed and for as long as `f`
 /// runs, every interruptible wait of the calling fiber
-/// ([`Semaphore::acquire_interruptible`], [`Channel::pop_interruptible`])
-/// returns [`Interrupted`](spindle_sync::Interrupted): the one it is in
+/// ([`Semaphore::acquire_interruptible`], [`Mutex::lock_interruptible`],
+/// [`Channel::pop_interruptible`]) returns [`Interrupted`](spindle_sync::Interrupted): the one it is in
 /// when the deadline passes, and each one it enters afterwards (a token
 /// or message already there is still taken). That is how waits are given
 /// a timeout, and nested calls each keep their own deadline. Plain waits
@@ -324,6 +324,7 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt
 /// [`Semaphore::acquire_interruptible`]: spindle_sync::Semaphore::acquire_interruptible
 /// [`Channel::pop_interruptible`]: spindle_sync::Channel::pop_interruptible
+/// [`Mutex::lock_interruptible`]: spindle_sync::Mutex::lock_interruptible
 #[track_caller]
 pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
     let Some((raw, w)) = current_task() else {

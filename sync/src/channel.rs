@@ -249,7 +249,8 @@ impl<M> std::error::Error for Closed<M> {}
 /// other reference and no run queue is dropped inside `push`: unwound there
 /// (its destructors run) on its own thread or if it may migrate, else its
 /// stack leaks, with the message it was handed. `pop` waits (a fiber sleeps, a thread parks)
-/// until a message arrives. A message pushed while receivers
+/// until a message arrives, or the channel is closed (then `None`). A
+/// message pushed while receivers
 /// wait is handed straight to the one that waited longest; if that
 /// receiver's run queue or executor refuses its wake or abandons it (gone
 /// or shut down), the receiver's wait hook takes the message back and
@@ -414,8 +415,9 @@ impl RawChannel {
     /// # Errors
     ///
     /// [`Interrupted`] if the fiber was interrupted before a message came
-    /// (or the channel closed), or, with none there, at once in a fiber
-    /// being dropped.
+    /// (or the channel closed), or, with none there and the channel open,
+    /// at once in a fiber being dropped. `Ok(None)`: the channel is closed
+    /// and empty (taken before a pending interrupt is looked at).
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
@@ -807,9 +809,10 @@ impl<T> Channel<T> {
     /// (a destructor run by the unwind of its suspended stack, or code that
     /// caught that unwind: [`may_sleep`](spindle_fiber::may_sleep) is
     /// false) does not wait: it takes a message if one is queued, else
-    /// returns `Interrupted`, and so does every retry (do not loop on it
-    /// there: use `pop`, which blocks the thread, if the message must be
-    /// had).
+    /// `Ok(None)` if the channel is closed, else returns `Interrupted`, and
+    /// so does every retry (do not loop on it there: use `pop`, which
+    /// blocks the thread, if the message must be had). On a closed, empty
+    /// channel `Ok(None)` comes first, before a pending interrupt.
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
@@ -839,9 +842,9 @@ impl<T> Channel<T> {
     /// # Errors
     ///
     /// [`Interrupted`] if the fiber was interrupted before a message came
-    /// (or the channel closed), or, with none there, at once in a fiber
-    /// being dropped. `Ok(None)`: the channel is closed and empty, as for
-    /// [`pop`](Channel::pop).
+    /// (or the channel closed), or, with none there and the channel open,
+    /// at once in a fiber being dropped. `Ok(None)`: the channel is closed
+    /// and empty, as for [`pop`](Channel::pop).
     ///
     /// [`Waiter::interrupt`]: spindle_fiber::Waiter::interrupt
     /// [`Fiber::interrupt`]: spindle_fiber::Fiber::interrupt

@@ -1,4 +1,9 @@
-//! Loom model of a channel's hand-over of a message to a waiting receiver
+//! Loom models of spindle-sync: a channel's hand-over of a message (this
+//! header), the mutex's state word (module `mutex_model`) and a channel's
+//! close against a refused hand-over (module `close_model`); docs/loom.md
+//! describes each.
+//!
+//! The hand-over: a message to a waiting receiver
 //! (`RawChannel::push` with a receiver waiting; sync/src/wait.rs, waker
 //! step 1), mirrored line for line: the real `push` needs a real wait list
 //! and a parked thread, which loom cannot run.
@@ -281,8 +286,8 @@ mod mutex_model {
     }
 }
 
-/// The main thread holds the lock while a plain locker and one of each
-/// kind of waiter come, then unlocks; every holder bumps once.
+/// The main thread holds the lock while a plain locker and a second
+/// locker of the given kind come, then unlocks; every holder bumps once.
 fn mutex_model(second: mutex_model::Waits) {
     use mutex_model::{Waits, M};
     let bound = std::env::var("LOOM_MAX_PREEMPTIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
