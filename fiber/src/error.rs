@@ -178,7 +178,10 @@ pub enum FiberError {
     Busy(FiberId),
     /// `run` or `set_function` on a fiber that is running right now: on
     /// another thread, or on this one (the caller is that fiber, or a
-    /// fiber it runs).
+    /// fiber it runs); or on a fiber held for a moment by a wake that
+    /// another thread is finishing for it (a hand-driven loop that runs a
+    /// fiber woken by another thread can see this: retry, as for
+    /// [`Sleeping`](FiberError::Sleeping)).
     Running(FiberId),
     /// `run` or `set_function` on a fiber that sits in a run queue.
     Queued(FiberId),
@@ -220,9 +223,10 @@ impl fmt::Display for FiberError {
             FiberError::Running(id) => write!(
                 f,
                 "fiber {id} is already running, on another thread or as the caller itself (or a \
-                 fiber that runs the caller): wait until it has suspended before running it or \
-                 setting its function, and never do either from inside the fiber or a fiber it \
-                 runs"
+                 fiber that runs the caller), or is held for a moment by a wake that another thread \
+                 is finishing for it: wait until it has suspended (or the wake is done: retry) \
+                 before running it or setting its function, and never do either from inside the \
+                 fiber or a fiber it runs"
             ),
             FiberError::Queued(id) => write!(
                 f,

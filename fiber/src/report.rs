@@ -35,8 +35,10 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
             "spindle-fiber: fiber {} was dropped while suspended, on another thread than the one it is \
              pinned to: its stack is leaked and the destructors of its locals never run. Drop a \
              suspended pinned fiber on its own thread, let its function finish first, or give it \
-             its function with set_function_migratable. (Said once; leaked_stacks() counts every \
-             leak.)",
+             its function with set_function_migratable. (A fiber of a scheduler that has shut down, \
+             such as an executor dropped while the fiber slept in a plain wait, is let go of by \
+             whoever wakes it: wait with an interruptible wait instead, which a shutdown ends.) \
+             (Said once; leaked_stacks() counts every leak.)",
             h.display_name()
         );
     } else {

@@ -237,7 +237,12 @@ impl<T: ?Sized> Mutex<T> {
     /// fiber is interrupted ([`Fiber::interrupt`], [`Waiter::interrupt`]; in
     /// `spindle-executor`, a cancel or an `interrupt_after` deadline), as
     /// [`Semaphore::acquire_interruptible`](crate::Semaphore::acquire_interruptible) does. A thread waits as in
-    /// `lock`.
+    /// `lock`. A free lock is taken even with an interrupt pending (the
+    /// interrupt stays for the next interruptible wait). In
+    /// `spindle-executor`, a cancelled fiber gets `Err(Interrupted)` here
+    /// and unwinds only at its next cancellation point (`yield_now`,
+    /// `sleep`, `join`, ...): a function that returns right after this
+    /// wait returns normally, and its join says so.
     ///
     /// ```
     /// use std::sync::Arc;
