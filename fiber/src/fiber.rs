@@ -316,6 +316,12 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// refusal there is let go of by the runner, through the fiber's wait
     /// hook ([`WaitHook`](crate::WaitHook)), as a waker would.
     ///
+    /// It runs inside the waker's call (a semaphore's `release`, a
+    /// channel's `push`), which has not finished its own work yet: do not
+    /// wait in it, in particular not on the primitive that woke the fiber
+    /// (a `pop` of a closed channel there waits for the very `push` that
+    /// is calling, for ever).
+    ///
     /// [`Waiter::try_wake`]: crate::Waiter::try_wake
     ///
     /// # Errors

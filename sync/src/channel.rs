@@ -194,11 +194,17 @@ impl Synced {
 
     /// What a receiver takes now without waiting: the oldest message, or,
     /// with none queued, null if the channel is closed and no hand-over is
-    /// in flight (no message will come).
+    /// in flight (no message will come). A fiber being dropped does not
+    /// wait for hand-overs in flight either: it cannot sleep, so it would
+    /// wait as a thread, and the hand-over may be the very push whose
+    /// wake released the fiber and unwinds it on this thread (found in
+    /// review: its destructor closed and drained the channel, and the
+    /// drain's `pop` waited for a step 3 that only ran after it).
     fn take_now(&mut self) -> Option<*mut ()> {
         match self.pop_message() {
             Some(m) => Some(m.as_ptr().cast()),
-            None => (self.closed && self.handing == 0).then_some(ptr::null_mut()),
+            None => (self.closed && (self.handing == 0 || crate::wait::dropped_fiber()))
+                .then_some(ptr::null_mut()),
         }
     }
 }
@@ -368,21 +374,15 @@ impl RawChannel {
             // Step 3 in a guard, so that it runs even if the wake unwinds
             // (a scheduler that panics, against `Schedule`'s contract).
             let ends = HandOverEnds(self);
-            // Step 2: the wake; a refusal gives the message back (to the
-            // next receiver or the queue) as it is dropped.
-            match wakeup.deliver_keeping_refusal() {
-                None => drop(ends),
-                // Letting go of the refused fiber may release its last
-                // reference and unwind it here, and a destructor of it may
-                // close this channel and drain it: in a scope, so that the
-                // unwind comes after step 3 (found in review: the drain's
-                // `pop`, unable to sleep, parked the thread waiting for a
-                // step 3 that only ran after it).
-                Some(refused) => spindle_fiber::defer_releases(move || {
-                    drop(refused);
-                    drop(ends);
-                }),
-            }
+            // Step 2: the wake. A refusal gives the message back (to the
+            // next receiver or the queue) before `deliver` returns, and so
+            // does the unwind of a receiver whose last reference the wake
+            // releases here (its wait's guard runs first, before its own
+            // destructors, which may close and drain this channel: a
+            // dropped fiber's `pop` does not wait for hand-overs in flight,
+            // see `take_now`).
+            wakeup.deliver();
+            drop(ends);
             return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -417,7 +417,8 @@ impl RawChannel {
     /// [`Interrupted`] if the fiber was interrupted before a message came
     /// (or the channel closed), or, with none there and the channel open,
     /// at once in a fiber being dropped. `Ok(None)`: the channel is closed
-    /// and empty (taken before a pending interrupt is looked at).
+    /// and empty (taken before a pending interrupt is looked at, once no
+    /// push is still handing a message over).
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
@@ -812,7 +813,9 @@ impl<T> Channel<T> {
     /// `Ok(None)` if the channel is closed, else returns `Interrupted`, and
     /// so does every retry (do not loop on it there: use `pop`, which
     /// blocks the thread, if the message must be had). On a closed, empty
-    /// channel `Ok(None)` comes first, before a pending interrupt.
+    /// channel `Ok(None)` comes first, before a pending interrupt, once no
+    /// push is still handing a message over (while one is, a message may
+    /// yet come back: the wait goes on, and an interrupt ends it).
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};

@@ -239,24 +239,13 @@ impl Wakeup {
     /// next waiter, who is woken the same way, and so on.
     #[inline]
     pub(crate) fn deliver(self) {
-        // A refusal, dropped, lets go of the fiber through its wait hook
-        // and wakes whoever the value goes on to, in a loop (`RefusedWake`'s
-        // drop: no recursion for a row of refused fibers).
-        drop(self.deliver_keeping_refusal());
-    }
-
-    /// [`deliver`](Wakeup::deliver), handing a refusal back instead of
-    /// dropping it, so that the caller decides when the refused fiber is
-    /// let go of (its value taken back, and maybe its last reference
-    /// released: its stack unwound there).
-    #[inline]
-    pub(crate) fn deliver_keeping_refusal(self) -> Option<spindle_fiber::RefusedWake> {
         match self.sleeper {
-            Sleeper::Thread(t) => {
-                t.unpark();
-                None
-            }
-            Sleeper::Fiber(w) => w.try_wake().err(),
+            Sleeper::Thread(t) => t.unpark(),
+            // A refusal, dropped, lets go of the fiber through its wait
+            // hook and wakes whoever the value goes on to, in a loop
+            // (`RefusedWake`'s drop: no recursion for a row of refused
+            // fibers).
+            Sleeper::Fiber(w) => drop(w.try_wake()),
         }
     }
 }
@@ -403,7 +392,7 @@ impl std::error::Error for Interrupted {}
 
 /// Whether the caller runs on a fiber whose stack is being unwound because
 /// it was dropped (a destructor of that unwind, or code that caught it).
-fn dropped_fiber() -> bool {
+pub(crate) fn dropped_fiber() -> bool {
     spindle_fiber::in_fiber() && !spindle_fiber::may_sleep()
 }
 

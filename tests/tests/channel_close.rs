@@ -479,3 +479,86 @@ fn a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
         assert!(chan.is_closed(), "the orphan's destructor closed it");
     });
 }
+
+/// A receiver with no run queue whose handle was dropped (its wait's
+/// waiter is its last reference): the push's wake, accepted, releases it
+/// on the pushing thread, inside the hand-over. Its unwind gives the
+/// message back first, then its destructor closes the channel and drains
+/// it: the drain takes the message and then gets `None` (a dropped fiber
+/// does not wait for the hand-over in flight, which is this very push).
+/// (Found in review: the drain waited for the push, which waited for it.)
+#[test]
+fn an_accepted_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
+    struct CountsDrained(Arc<Channel<u32>>, Arc<AtomicUsize>);
+    impl Drop for CountsDrained {
+        fn drop(&mut self) {
+            self.0.close();
+            while self.0.pop().is_some() {
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+    watchdog("an_accepted_receiver_unwound_by_the_push_may_close_and_drain_the_channel", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let drained = Arc::new(AtomicUsize::new(0));
+        let (rx, guard) = (chan.clone(), CountsDrained(chan.clone(), drained.clone()));
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _guard = guard;
+            let _ = rx.pop();
+        });
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        drop(orphan); // its wait node's waiter is its last reference now
+        stage.set("pushing: the accepted wake releases the orphan, which closes and drains");
+        chan.push(Msg::new(1)).unwrap();
+        assert!(chan.is_closed());
+        assert_eq!(drained.load(Ordering::SeqCst), 1, "the drain took the given-back message");
+        assert!(chan.is_empty());
+    });
+}
+
+/// A home that closes the channel inside the wake, then refuses the fiber.
+struct ClosesThenRefuses(Arc<Channel<u32>>);
+
+impl spindle_fiber::Schedule<()> for ClosesThenRefuses {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        self.0.close();
+        Err(w)
+    }
+}
+
+/// Receivers, oldest first: one whose home closes the channel inside the
+/// wake and refuses it, one with no run queue whose handle was dropped,
+/// and a live thread. The refusal hands the message to the second, whose
+/// accepted wake releases it; its unwind gives the message back inside
+/// the push's hand-over, so it reaches the thread before the thread is
+/// told `None`. (Found in review: an intermediate version deferred that
+/// unwind past the hand-over's end, and the message was queued on the
+/// closed channel after the thread had left.)
+#[test]
+fn a_message_handed_on_within_the_push_reaches_the_live_receiver() {
+    watchdog("a_message_handed_on_within_the_push_reaches_the_live_receiver", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        let home: Arc<dyn spindle_fiber::Schedule<()>> = Arc::new(ClosesThenRefuses(chan.clone()));
+        let rx = chan.clone();
+        let refused = fiber(Priority::NORMAL, move || {
+            let _ = rx.pop();
+        });
+        refused.set_home(Some(&home)).unwrap();
+        assert!(matches!(refused.run(), Ok(RunOutcome::Slept)));
+        let rx = chan.clone();
+        let orphan = fiber(Priority::NORMAL, move || {
+            let _ = rx.pop();
+        });
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        drop(orphan);
+        let rx = chan.clone();
+        let thread = std::thread::spawn(move || rx.pop().map(Msg::into_inner));
+        spin_until(|| chan.receivers() == 3);
+        stage.set("pushing");
+        chan.push(Msg::new(1)).unwrap();
+        let got = thread.join().unwrap();
+        let queued = chan.try_pop().map(Msg::into_inner);
+        assert_eq!((got, queued), (Some(1), None), "(the thread got, left queued in the closed channel)");
+        drop(refused);
+    });
+}
