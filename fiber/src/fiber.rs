@@ -317,10 +317,9 @@ pub trait Schedule<T>: Send + Sync + 'static {
     /// hook ([`WaitHook`](crate::WaitHook)), as a waker would.
     ///
     /// It runs inside the waker's call (a semaphore's `release`, a
-    /// channel's `push`), which has not finished its own work yet: do not
-    /// wait in it, in particular not on the primitive that woke the fiber
-    /// (a `pop` of a closed channel there waits for the very `push` that
-    /// is calling, for ever).
+    /// channel's `push` or `close`), which has not finished its own work
+    /// yet: do not wait in it, in particular not on the primitive that
+    /// woke the fiber.
     ///
     /// [`Waiter::try_wake`]: crate::Waiter::try_wake
     ///

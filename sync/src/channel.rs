@@ -119,16 +119,8 @@ struct Synced {
     pushes: u64,
     receivers: WaitList,
     /// Set once by `close`: pushes are refused, and a receiver that finds
-    /// no message gets none instead of waiting, once no hand-over is in
-    /// flight.
+    /// no message gets none instead of waiting.
     closed: bool,
-    /// Pushes between handing a message to a waiting receiver and the end
-    /// of that receiver's wake (which runs outside the lock): a wake its
-    /// scheduler refuses gives the message back within that window, to the
-    /// next receiver or the queue. While one is in flight, `close` tells no
-    /// receiver that nothing will come; the last one to end does (closer
-    /// and pusher steps, DESIGN.md, "Close").
-    handing: usize,
 }
 
 // SAFETY: the message pointers are only dereferenced under the lock; the
@@ -193,18 +185,12 @@ impl Synced {
     }
 
     /// What a receiver takes now without waiting: the oldest message, or,
-    /// with none queued, null if the channel is closed and no hand-over is
-    /// in flight (no message will come). A fiber being dropped does not
-    /// wait for hand-overs in flight either: it cannot sleep, so it would
-    /// wait as a thread, and the hand-over may be the very push whose
-    /// wake released the fiber and unwinds it on this thread (found in
-    /// review: its destructor closed and drained the channel, and the
-    /// drain's `pop` waited for a step 3 that only ran after it).
+    /// with none queued, null if the channel is closed (no message will
+    /// come, but for a late give-back: DESIGN.md, "Close").
     fn take_now(&mut self) -> Option<*mut ()> {
         match self.pop_message() {
             Some(m) => Some(m.as_ptr().cast()),
-            None => (self.closed && (self.handing == 0 || crate::wait::dropped_fiber()))
-                .then_some(ptr::null_mut()),
+            None => self.closed.then_some(ptr::null_mut()),
         }
     }
 }
@@ -306,7 +292,6 @@ impl RawChannel {
                 pushes: 0,
                 receivers: WaitList::new(),
                 closed: false,
-                handing: 0,
             }),
         }
     }
@@ -365,24 +350,13 @@ impl RawChannel {
             // receiver's.
             // SAFETY: as above; the receiver's `pop` marks it unqueued.
             unsafe { msg.as_ref().next.store(HANDED, Ordering::Relaxed) };
-            // Pusher step 1 (under the lock): a hand-over is in flight.
-            synced.handing += 1;
             let wakeup = synced.receivers.pop_front(msg.as_ptr().cast()).expect("a receiver is waiting");
             #[cfg(test)]
             tests::after_handoff();
             drop(synced);
-            // Step 3 in a guard, so that it runs even if the wake unwinds
-            // (a scheduler that panics, against `Schedule`'s contract).
-            let ends = HandOverEnds(self);
-            // Step 2: the wake. A refusal gives the message back (to the
-            // next receiver or the queue) before `deliver` returns, and so
-            // does the unwind of a receiver whose last reference the wake
-            // releases here (its wait's guard runs first, before its own
-            // destructors, which may close and drain this channel: a
-            // dropped fiber's `pop` does not wait for hand-overs in flight,
-            // see `take_now`).
+            // A refusal gives the message back (to the next receiver, or
+            // the queue) before `deliver` returns.
             wakeup.deliver();
-            drop(ends);
             return Ok(());
         }
         // SAFETY: the caller hands us the header until it is popped.
@@ -417,8 +391,7 @@ impl RawChannel {
     /// [`Interrupted`] if the fiber was interrupted before a message came
     /// (or the channel closed), or, with none there and the channel open,
     /// at once in a fiber being dropped. `Ok(None)`: the channel is closed
-    /// and empty (taken before a pending interrupt is looked at, once no
-    /// push is still handing a message over).
+    /// and empty (taken before a pending interrupt is looked at).
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
@@ -461,15 +434,10 @@ impl RawChannel {
         if synced.closed {
             return false;
         }
-        // Closer step 1: no push hands a message over after this.
+        // No push hands a message over after this, and the receivers
+        // waiting now found the queue empty: tell them nothing will come.
         synced.closed = true;
-        // Step 2: with no hand-over in flight, the receivers waiting now
-        // found the queue empty and nothing can come to them: tell them.
-        // Else the last push to end its hand-over does (a refused wake may
-        // still give its message back to one of them).
-        if synced.handing == 0 {
-            Self::wake_receivers_closed(synced);
-        }
+        Self::wake_receivers_closed(synced);
         true
     }
 
@@ -481,13 +449,27 @@ impl RawChannel {
     /// Wakes every waiting receiver with null (nothing will come), one
     /// lock hold each, the wakes delivered outside the lock. In a scope: a
     /// receiver whose last reference a wake drops is unwound only once
-    /// every receiver is woken (DESIGN.md, "Deferred releases").
+    /// every receiver is woken (DESIGN.md, "Deferred releases"). A wake
+    /// that panics (a scheduler breaking `Schedule`'s contract) does not
+    /// stop the others, which would sleep for good on the closed channel:
+    /// the first panic is resumed once every receiver is woken (found in
+    /// review).
     fn wake_receivers_closed(mut synced: parking_lot::MutexGuard<'_, Synced>) {
-        spindle_fiber::defer_releases(move || {
+        let mut first_panic = None;
+        spindle_fiber::defer_releases(|| {
             while let Some(wakeup) = synced.receivers.pop_front(ptr::null_mut()) {
-                parking_lot::MutexGuard::unlocked(&mut synced, || wakeup.deliver());
+                parking_lot::MutexGuard::unlocked(&mut synced, || {
+                    let woken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| wakeup.deliver()));
+                    if let Err(payload) = woken {
+                        first_panic.get_or_insert(payload);
+                    }
+                });
             }
+            drop(synced);
         });
+        if let Some(payload) = first_panic {
+            std::panic::resume_unwind(payload);
+        }
     }
 
     /// Takes the oldest message if there is one.
@@ -508,29 +490,6 @@ impl RawChannel {
     /// Receivers waiting now.
     pub fn receivers(&self) -> usize {
         self.synced.lock().receivers.len()
-    }
-}
-
-/// Pusher step 3 (under the lock): a hand-over has ended; the last one to
-/// end after a close tells the receivers left that nothing will come. A
-/// guard: it runs when the wake unwinds too, or the count would keep the
-/// close from ever telling them.
-struct HandOverEnds<'a>(&'a RawChannel);
-
-impl Drop for HandOverEnds<'_> {
-    fn drop(&mut self) {
-        let mut synced = self.0.synced.lock();
-        synced.handing -= 1;
-        if synced.closed && synced.handing == 0 {
-            if std::thread::panicking() {
-                // Unwinding (a wake that panicked): a panic of these wakes
-                // must not escape a destructor during cleanup.
-                let wake = std::panic::AssertUnwindSafe(move || RawChannel::wake_receivers_closed(synced));
-                let _ = std::panic::catch_unwind(wake);
-            } else {
-                RawChannel::wake_receivers_closed(synced);
-            }
-        }
     }
 }
 
@@ -748,11 +707,13 @@ impl<T> Channel<T> {
     /// thread parks. `None` once the channel is closed and every message
     /// pushed before has been taken: a receiver waiting when the channel
     /// closes is woken with `None`, so `while let Some(m) = chan.pop()`
-    /// reads until the sender closes. (A message can come back later: one
-    /// handed to a receiver fiber that was woken but dropped before it ran,
-    /// after the close, or whose wake a scheduler of one's own refused
-    /// late. It goes back into the channel, where `pop` and `try_pop`
-    /// still find it; a reader that saw `None` before does not.)
+    /// reads until the sender closes. (A message can come back after the
+    /// close: one handed to a receiver whose scheduler refused the wake
+    /// (it had shut down) while the channel closed, or to a receiver fiber
+    /// that was woken but dropped before it ran. It goes back into the
+    /// channel, where `pop` and `try_pop` still find it; a reader that saw
+    /// `None` before does not. Nothing is lost or freed: the channel's
+    /// drop drops it.)
     ///
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -813,9 +774,7 @@ impl<T> Channel<T> {
     /// `Ok(None)` if the channel is closed, else returns `Interrupted`, and
     /// so does every retry (do not loop on it there: use `pop`, which
     /// blocks the thread, if the message must be had). On a closed, empty
-    /// channel `Ok(None)` comes first, before a pending interrupt, once no
-    /// push is still handing a message over (while one is, a message may
-    /// yet come back: the wait goes on, and an interrupt ends it).
+    /// channel `Ok(None)` comes first, before a pending interrupt.
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};

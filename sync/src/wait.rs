@@ -392,7 +392,7 @@ impl std::error::Error for Interrupted {}
 
 /// Whether the caller runs on a fiber whose stack is being unwound because
 /// it was dropped (a destructor of that unwind, or code that caught it).
-pub(crate) fn dropped_fiber() -> bool {
+fn dropped_fiber() -> bool {
     spindle_fiber::in_fiber() && !spindle_fiber::may_sleep()
 }
 
