@@ -391,7 +391,9 @@ impl RawChannel {
     /// [`Interrupted`] if the fiber was interrupted before a message came
     /// (or the channel closed), or, with none there and the channel open,
     /// at once in a fiber being dropped. `Ok(None)`: the channel is closed
-    /// and empty (taken before a pending interrupt is looked at).
+    /// and empty (taken before a pending interrupt is looked at, except
+    /// by a receiver already waiting when the close began: see
+    /// [`Channel::pop_interruptible`]).
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
@@ -774,7 +776,9 @@ impl<T> Channel<T> {
     /// `Ok(None)` if the channel is closed, else returns `Interrupted`, and
     /// so does every retry (do not loop on it there: use `pop`, which
     /// blocks the thread, if the message must be had). On a closed, empty
-    /// channel `Ok(None)` comes first, before a pending interrupt.
+    /// channel `Ok(None)` comes first, before a pending interrupt (except
+    /// for a receiver interrupted while it waits and the close is still
+    /// waking the others: it gets `Interrupted`, and a retry `Ok(None)`).
     ///
     /// ```
     /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
