@@ -14,6 +14,22 @@ use spindle_fiber::{FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Closed, Msg, MsgHeader, RawChannel};
 
+/// Runs `f` once from a run queue of its own (its home from then on),
+/// checks that it went to sleep, and drops the queue: a wake then finds
+/// the queue gone and is refused.
+fn asleep_with_its_queue_gone<T: Send + std::fmt::Debug + 'static>(f: &spindle_fiber::Fiber<T>) {
+    let queue = RunQueue::new(1);
+    queue.try_push(f.clone()).unwrap();
+    let ran = queue.run_next().expect("the fiber was queued");
+    assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)), "{:?}", ran.outcome);
+}
+
+/// Gives `f` the home `home` and runs it until it sleeps.
+fn asleep_at_home(f: &spindle_fiber::Fiber<()>, home: &Arc<dyn spindle_fiber::Schedule<()>>) {
+    f.set_home(Some(home)).unwrap();
+    assert!(matches!(f.run(), Ok(RunOutcome::Slept)));
+}
+
 /// Messages pushed before the close are still taken, in order; then `pop`,
 /// `pop_interruptible` and `try_pop` say there is nothing (without
 /// waiting), pushes come back in `Closed`, and a second close says it was
@@ -94,11 +110,7 @@ fn a_receiver_refused_at_the_close_does_not_stop_the_others() {
         let chan = Arc::new(Channel::<u32>::new());
         let rx = chan.clone();
         let orphan = fiber(Priority::NORMAL, move || rx.pop().is_none());
-        {
-            let queue = RunQueue::new(1);
-            queue.try_push(orphan.clone()).unwrap();
-            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-        } // the queue goes: a wake of the orphan is refused
+        asleep_with_its_queue_gone(&orphan);
         let rx = chan.clone();
         let thread = std::thread::spawn(move || rx.pop().is_none());
         stage.set("waiting for the thread to wait behind the orphan");
@@ -261,8 +273,7 @@ fn a_message_given_back_by_a_refusal_racing_the_close_waits_in_the_channel() {
         });
         let home = Arc::new(SlowRefuser::default());
         let dyn_home: Arc<dyn spindle_fiber::Schedule<()>> = home.clone();
-        orphan.set_home(Some(&dyn_home)).unwrap();
-        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        asleep_at_home(&orphan, &dyn_home);
         let rx = chan.clone();
         let consumer = std::thread::spawn(move || {
             let mut got = Vec::new();
@@ -300,11 +311,7 @@ fn pushes_racing_a_close_with_a_refused_receiver_lose_nothing() {
             let orphan = fiber(Priority::NORMAL, move || {
                 let _ = rx.pop();
             });
-            {
-                let queue = RunQueue::new(1);
-                queue.try_push(orphan.clone()).unwrap();
-                assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-            }
+            asleep_with_its_queue_gone(&orphan);
             let rx = chan.clone();
             let consumer = std::thread::spawn(move || {
                 let mut n = 0;
@@ -363,11 +370,7 @@ fn a_revoked_receiver_run_after_the_close_takes_the_queued_message() {
         let chan = Arc::new(Channel::<u32>::new());
         let rx = chan.clone();
         let orphan = fiber(Priority::NORMAL, move || (rx.pop().map(Msg::into_inner), rx.pop().is_none()));
-        {
-            let queue = RunQueue::new(1);
-            queue.try_push(orphan.clone()).unwrap();
-            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-        }
+        asleep_with_its_queue_gone(&orphan);
         chan.push(Msg::new(5)).unwrap(); // refused: back to the queue
         assert_eq!(chan.len(), 1);
         chan.close();
@@ -420,8 +423,7 @@ fn a_push_whose_wake_panics_still_lets_the_close_wake_the_others() {
         let orphan = fiber(Priority::NORMAL, move || {
             let _ = rx.pop();
         });
-        orphan.set_home(Some(&home)).unwrap();
-        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        asleep_at_home(&orphan, &home);
         let rx = chan.clone();
         let thread = std::thread::spawn(move || rx.pop().map(Msg::into_inner));
         spin_until(|| chan.receivers() == 2);
@@ -462,11 +464,7 @@ fn a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
             let _guard = guard;
             let _ = rx.pop();
         });
-        {
-            let queue = RunQueue::new(1);
-            queue.try_push(orphan.clone()).unwrap();
-            assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
-        } // the queue goes: a wake of the orphan is refused
+        asleep_with_its_queue_gone(&orphan);
         drop(orphan); // its wait node's waiter is its last reference now
         let rx = chan.clone();
         let thread = std::thread::spawn(move || rx.pop().map(Msg::into_inner));
@@ -538,8 +536,7 @@ fn a_close_inside_the_wake_of_a_refused_push_loses_nothing() {
         let refused = fiber(Priority::NORMAL, move || {
             let _ = rx.pop();
         });
-        refused.set_home(Some(&home)).unwrap();
-        assert!(matches!(refused.run(), Ok(RunOutcome::Slept)));
+        asleep_at_home(&refused, &home);
         let rx = chan.clone();
         let orphan = fiber(Priority::NORMAL, move || {
             let _ = rx.pop();
@@ -572,8 +569,7 @@ fn a_close_whose_wake_panics_still_wakes_the_others() {
         let orphan = fiber(Priority::NORMAL, move || {
             let _ = rx.pop();
         });
-        orphan.set_home(Some(&home)).unwrap();
-        assert!(matches!(orphan.run(), Ok(RunOutcome::Slept)));
+        asleep_at_home(&orphan, &home);
         let threads: Vec<_> = (0..2)
             .map(|_| {
                 let rx = chan.clone();
