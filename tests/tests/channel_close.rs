@@ -410,9 +410,9 @@ impl spindle_fiber::Schedule<()> for PanicsInSchedule {
 }
 
 /// A push whose wake panics (its receiver's scheduler breaks the trait's
-/// contract) still ends its hand-over: a later close tells the receiver
-/// waiting behind that nothing will come, instead of waiting for the
-/// unwound push for ever.
+/// contract) leaves the channel usable: a later close tells the receiver
+/// waiting behind that nothing will come. (The rejected in-flight count
+/// once left this receiver asleep for good: DESIGN.md, "Close".)
 #[test]
 fn a_push_whose_wake_panics_still_lets_the_close_wake_the_others() {
     use std::panic::{catch_unwind, AssertUnwindSafe};
