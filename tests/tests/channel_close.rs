@@ -451,10 +451,9 @@ impl Drop for ClosesAndDrains {
 /// A refused receiver whose last reference goes when the push lets go of
 /// it is unwound on the pushing thread; its destructor closes the channel
 /// and drains it with `pop` (a thread wait there: a dropped fiber cannot
-/// sleep). The unwind comes after the push has ended its hand-over, so the
-/// drain finds the channel closed and empty and returns. (Found in review:
-/// the unwind ran inside the hand-over, whose count kept the `pop` waiting
-/// for the push, which waited for the `pop`.)
+/// sleep). The drain finds the channel closed and empty and returns.
+/// (Found in review of the rejected in-flight count, which kept the `pop`
+/// waiting for the push, which waited for the `pop`: DESIGN.md, "Close".)
 #[test]
 fn a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
     watchdog("a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel", 30, |stage| {
@@ -478,11 +477,11 @@ fn a_refused_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
 
 /// A receiver with no run queue whose handle was dropped (its wait's
 /// waiter is its last reference): the push's wake, accepted, releases it
-/// on the pushing thread, inside the hand-over. Its unwind gives the
-/// message back first, then its destructor closes the channel and drains
-/// it: the drain takes the message and then gets `None` (a dropped fiber
-/// does not wait for the hand-over in flight, which is this very push).
-/// (Found in review: the drain waited for the push, which waited for it.)
+/// on the pushing thread. Its unwind gives the message back first (its
+/// wait's guard runs before its own destructors), then its destructor
+/// closes the channel and drains it: the drain takes the message and then
+/// gets `None`. (Found in review of the rejected in-flight count, under
+/// which the drain waited for the push, which waited for it.)
 #[test]
 fn an_accepted_receiver_unwound_by_the_push_may_close_and_drain_the_channel() {
     struct CountsDrained(Arc<Channel<u32>>, Arc<AtomicUsize>);
