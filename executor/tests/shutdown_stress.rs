@@ -2,8 +2,9 @@
 //! of tasks (waits nobody signals, timers, joins, scopes, yield loops,
 //! values whose `Drop` joins or takes tokens, fibers run by hand inside
 //! tasks, some dropped asleep, a panic whose unwind joins and yields, a
-//! cancel unwind that runs a scope, joins and yields), dropped at a
-//! random moment. Every drop and join must return, and every guard that
+//! cancel unwind that runs a scope, joins and yields, holders and waiters
+//! of a `spindle_sync::Mutex`, readers of a channel that pushers may
+//! close), dropped at a random moment. Every drop and join must return, and every guard that
 //! must be dropped is. (The last two kinds came from a review; a third,
 //! a panic payload whose `Drop` joins, hangs some seeds: such a payload is
 //! dropped where the task's last reference goes, DESIGN.md, "Cancellation,
@@ -135,6 +136,7 @@ fn one_round(seed: u64, stage: common::Stage) -> String {
     let plain = Arc::new(Semaphore::new(0)); // plain waiters; destructors release into it
     let plenty = Arc::new(Semaphore::new(1000));
     let chan: Arc<Channel<u32>> = Arc::new(Channel::new());
+    let mtx = Arc::new(spindle_sync::Mutex::new(0u64));
     let pool: Pool = Arc::new(Mutex::new(Vec::new()));
     let stuck_pool: Pool = Arc::new(Mutex::new(Vec::new()));
     let stuck = Arc::new(Semaphore::new(0)); // plain waiters, never released
@@ -143,7 +145,7 @@ fn one_round(seed: u64, stage: common::Stage) -> String {
     let mut kinds = Vec::new();
     let mut panicked_kind = false;
     for _ in 0..n {
-        let mut kind = rng.below(14);
+        let mut kind = rng.below(18);
         // At most one user panic per round: a user panic while another
         // fiber is stuck mid-unwind on its worker can abort the process
         // (DESIGN.md, "Cancellation, scopes, shutdown": not fixed).
@@ -158,7 +160,7 @@ fn one_round(seed: u64, stage: common::Stage) -> String {
         let g = Guard(dropped.clone());
         let (never, plain, plenty, chan, tpool) =
             (never.clone(), plain.clone(), plenty.clone(), chan.clone(), pool.clone());
-        let (stuck2, spool) = (stuck.clone(), stuck_pool.clone());
+        let (stuck2, spool, mtx) = (stuck.clone(), stuck_pool.clone(), mtx.clone());
         // whether this task's guard must be dropped
         let counted = !matches!(kind, 7 | 11);
         if counted {
@@ -292,6 +294,37 @@ fn one_round(seed: u64, stage: common::Stage) -> String {
                     let _y = YieldsOnDrop(1 + sub as usize);
                     let _s = ScopeOnDrop(sub as usize, take_one(&tpool));
                     let _j = JoinsOnDrop(take_one(&spool));
+                    sleep(Duration::from_secs(60));
+                }
+                14 => {
+                    // holds the mutex across a long sleep (cancelled there)
+                    let mut n = mtx.lock();
+                    *n += 1;
+                    sleep(Duration::from_secs(60));
+                }
+                15 => {
+                    // waits for the mutex (plain or interruptible), then sleeps
+                    let n = if sub % 2 == 0 { Some(mtx.lock()) } else { mtx.lock_interruptible().ok() };
+                    if let Some(mut n) = n {
+                        *n += 1;
+                        yield_now();
+                    }
+                    sleep(Duration::from_secs(60));
+                }
+                16 => {
+                    // reads the channel until it closes or the wait is interrupted
+                    while let Ok(Some(_)) = chan.pop_interruptible() {}
+                    sleep(Duration::from_secs(60));
+                }
+                17 => {
+                    // pushes a few messages, maybe closes the channel
+                    for i in 0..sub {
+                        let _ = chan.push(spindle_sync::Msg::new(i as u32));
+                        yield_now();
+                    }
+                    if sub >= 2 {
+                        chan.close();
+                    }
                     sleep(Duration::from_secs(60));
                 }
                 _ => unreachable!(),
