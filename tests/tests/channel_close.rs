@@ -636,3 +636,148 @@ fn a_receiver_unwound_by_a_push_may_close_and_join_the_consumer() {
         assert!(consumer.lock().unwrap().is_none(), "the destructor joined the consumer");
     });
 }
+
+/// Producers on three threads push numbered messages while one of them
+/// closes the channel part-way; receiver fibers on three worker threads
+/// (plain and interruptible pops, interrupted at random) and two reader
+/// threads read until `None`; one worker drops its run queue and its
+/// fibers' handles part-way (their wakes are refused from then on). Every
+/// message ends up exactly once: received, handed back in `Closed`, or
+/// left queued in the closed channel (a late give-back). (From a review's
+/// stress test; `CHANNEL_CLOSE_ROUNDS` sets the rounds, 8 by default.)
+#[test]
+fn every_message_is_counted_once_under_interrupts_a_close_and_dropped_queues() {
+    use common::XorShift;
+    use spindle_run_queue::RunQueue;
+    use spindle_sync::Closed;
+    const PRODUCERS: usize = 3;
+    const PER: usize = 4_000;
+    const WORKERS: usize = 3;
+    const FIBERS: usize = 4;
+    let rounds: usize = std::env::var("CHANNEL_CLOSE_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
+    let progress = Arc::new(AtomicUsize::new(0));
+    let p2 = progress.clone();
+    common::watchdog_with_progress(
+        "every_message_is_counted_once_under_interrupts_a_close_and_dropped_queues",
+        30,
+        String::new,
+        move || p2.load(Ordering::SeqCst) as u64,
+        move |stage| {
+            for round in 0..rounds {
+                stage.set(format!("round {round}"));
+                progress.fetch_add(1, Ordering::SeqCst);
+                let chan = Arc::new(Channel::<usize>::new());
+                let seen = Arc::new((0..PRODUCERS * PER).map(|_| AtomicUsize::new(0)).collect::<Vec<_>>());
+                let workers: Vec<_> = (0..WORKERS)
+                    .map(|w| {
+                        let (chan, seen, progress) = (chan.clone(), seen.clone(), progress.clone());
+                        std::thread::spawn(move || {
+                            let mut rng = XorShift::new((round * 31 + w * 7 + 1) as u64);
+                            let queue = RunQueue::<()>::new(FIBERS);
+                            let mut mine = Vec::new();
+                            for k in 0..FIBERS {
+                                let (rx, seen) = (chan.clone(), seen.clone());
+                                let f = fiber(Priority::NORMAL, move || {
+                                    if k % 2 == 0 {
+                                        while let Some(m) = rx.pop() {
+                                            seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                                        }
+                                    } else {
+                                        loop {
+                                            match rx.pop_interruptible() {
+                                                Ok(Some(m)) => {
+                                                    seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                                                }
+                                                Ok(None) => break,
+                                                Err(_) => spindle_fiber::yield_now(),
+                                            }
+                                        }
+                                    }
+                                });
+                                mine.push(f.clone());
+                                queue.try_push(f).unwrap();
+                            }
+                            // Worker 0 drops its queue (and handles) mid-way.
+                            let drop_after = if w == 0 { Some(200 + rng.below(400)) } else { None };
+                            let mut runs = 0u64;
+                            let mut finished = 0;
+                            while finished < FIBERS {
+                                if drop_after.is_some_and(|d| runs >= d) {
+                                    break;
+                                }
+                                if let Some(f) = queue.pop_timeout(std::time::Duration::from_millis(1)) {
+                                    runs += 1;
+                                    progress.fetch_add(1, Ordering::Relaxed);
+                                    if let Ok(RunOutcome::Returned(())) = queue.run_popped(f).outcome {
+                                        finished += 1;
+                                    }
+                                }
+                                if rng.below(4) == 0 {
+                                    mine[rng.below(FIBERS as u64) as usize].interrupt();
+                                }
+                            }
+                            drop(mine);
+                            drop(queue);
+                        })
+                    })
+                    .collect();
+                let threads: Vec<_> = (0..2)
+                    .map(|_| {
+                        let (rx, seen) = (chan.clone(), seen.clone());
+                        std::thread::spawn(move || {
+                            while let Some(m) = rx.pop() {
+                                seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                            }
+                        })
+                    })
+                    .collect();
+                let close_at = 1000 + (round * 397) % (PER - 1000);
+                let producers: Vec<_> = (0..PRODUCERS)
+                    .map(|p| {
+                        let chan = chan.clone();
+                        std::thread::spawn(move || {
+                            let mut refused = Vec::new();
+                            for i in 0..PER {
+                                if p == 1 && i == close_at {
+                                    chan.close();
+                                }
+                                if let Err(Closed(m)) = chan.push(Msg::new(p * PER + i)) {
+                                    refused.push(m.into_inner());
+                                }
+                                if i % 8 == 0 {
+                                    std::thread::yield_now();
+                                }
+                            }
+                            refused
+                        })
+                    })
+                    .collect();
+                let mut refused = Vec::new();
+                for p in producers {
+                    refused.extend(p.join().unwrap());
+                }
+                let nrefused = refused.len();
+                stage.set(format!("round {round}: joining receivers"));
+                for t in threads.into_iter().chain(workers) {
+                    t.join().unwrap();
+                }
+                for i in refused {
+                    seen[i].fetch_add(1, Ordering::SeqCst);
+                }
+                let mut left = 0;
+                while let Some(m) = chan.try_pop() {
+                    left += 1;
+                    seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                }
+                assert!(nrefused > 0, "round {round}: the close came before the last pushes");
+                let bad: Vec<_> = seen
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| n.load(Ordering::SeqCst) != 1)
+                    .map(|(i, n)| (i, n.load(Ordering::SeqCst)))
+                    .collect();
+                assert!(bad.is_empty(), "round {round}: {left} left queued; miscounted (id, times): {bad:?}");
+            }
+        },
+    );
+}
