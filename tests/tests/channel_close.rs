@@ -6,10 +6,10 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 
-use common::{fiber, spin_until, watchdog};
+use common::{fiber, spin_until, watchdog, PanicsInSchedule, SlowRefuser};
 use spindle_fiber::{FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Closed, Msg, MsgHeader, RawChannel};
@@ -239,23 +239,6 @@ fn a_closed_raw_channel_hands_the_header_back() {
     drop(unsafe { Box::from_raw(ptr.as_ptr()) });
 }
 
-/// A home that holds the first wake in `schedule` until `go`, then refuses
-/// it (a scheduler shutting down while the wake is in flight).
-#[derive(Default)]
-struct SlowRefuser {
-    entered: AtomicBool,
-    go: AtomicBool,
-}
-
-impl spindle_fiber::Schedule<()> for SlowRefuser {
-    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-        if !self.entered.swap(true, Ordering::SeqCst) {
-            spin_until(|| self.go.load(Ordering::SeqCst));
-        }
-        Err(w)
-    }
-}
-
 /// A push hands its message to a receiver whose wake is then refused
 /// (its scheduler shut down), and the channel closes while that wake is
 /// in flight, with a live receiver waiting behind: the close tells the
@@ -398,15 +381,6 @@ fn a_raw_push_of_a_queued_header_onto_a_closed_channel_panics() {
     assert_eq!(a.try_pop(), Some(h));
     // SAFETY: popped: ours again, made by Box::leak.
     drop(unsafe { Box::from_raw(h.as_ptr()) });
-}
-
-/// A scheduler that panics in `schedule` (against the trait's contract).
-struct PanicsInSchedule;
-
-impl spindle_fiber::Schedule<()> for PanicsInSchedule {
-    fn schedule<'w>(&self, _fiber: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-        panic!("schedule panics");
-    }
 }
 
 /// A push whose wake panics (its receiver's scheduler breaks the trait's

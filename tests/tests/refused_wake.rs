@@ -8,7 +8,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{fiber, spin_until, watchdog};
+use common::{fiber, spin_until, watchdog, SlowRefuser};
 use spindle_fiber::{Fiber, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Msg, Semaphore};
@@ -357,24 +357,6 @@ fn a_refused_wake_of_a_fiber_that_left_the_wait_takes_nothing_back() {
         from_t.lock().unwrap().recv().unwrap();
         t.join().unwrap();
     });
-}
-
-/// A home that refuses every fiber, the first time only after `go`: it
-/// holds the first wake inside `schedule` (the fiber `Locked`) while the
-/// test makes another.
-#[derive(Default)]
-struct SlowRefuser {
-    entered: std::sync::atomic::AtomicBool,
-    go: std::sync::atomic::AtomicBool,
-}
-
-impl spindle_fiber::Schedule<()> for SlowRefuser {
-    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-        if !self.entered.swap(true, Ordering::SeqCst) {
-            spin_until(|| self.go.load(Ordering::SeqCst));
-        }
-        Err(w)
-    }
 }
 
 /// A release hands the token to a fiber while another wake (one that

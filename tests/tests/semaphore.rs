@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{fiber, named_fiber, sleepers_on, spin_until, watchdog};
+use common::{fiber, named_fiber, sleepers_on, spin_until, watchdog, PanicsInSchedule};
 use spindle_fiber::{Fiber, FiberError, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::Semaphore;
@@ -473,15 +473,6 @@ fn a_release_that_overflows_the_count_panics() {
     let msg = r.expect_err("the count would wrap");
     assert!(msg.downcast_ref::<String>().is_some_and(|m| m.contains("overflows")), "{msg:?}");
     assert_eq!(sem.available(), usize::MAX, "the count is unchanged");
-}
-
-/// A scheduler that breaks `Schedule`'s contract: it panics.
-struct PanicsInSchedule;
-
-impl spindle_fiber::Schedule<()> for PanicsInSchedule {
-    fn schedule<'w>(&self, _fiber: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-        panic!("schedule panics");
-    }
 }
 
 /// A fiber asleep in `sem.acquire()` whose home panics when it is woken.

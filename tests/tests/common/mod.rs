@@ -127,3 +127,30 @@ where
     fiber.set_function(priority, f).expect("setting the fiber's function");
     fiber
 }
+
+/// A home that refuses every fiber, the first time only after `go`: it
+/// holds the first wake inside `schedule` (the fiber `Locked`) while the
+/// test does something else (another wake, a close).
+#[derive(Default)]
+pub struct SlowRefuser {
+    pub entered: std::sync::atomic::AtomicBool,
+    pub go: std::sync::atomic::AtomicBool,
+}
+
+impl spindle_fiber::Schedule<()> for SlowRefuser {
+    fn schedule<'w>(&self, w: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        if !self.entered.swap(true, Ordering::SeqCst) {
+            spin_until(|| self.go.load(Ordering::SeqCst));
+        }
+        Err(w)
+    }
+}
+
+/// A scheduler that breaks `Schedule`'s contract: it panics in `schedule`.
+pub struct PanicsInSchedule;
+
+impl spindle_fiber::Schedule<()> for PanicsInSchedule {
+    fn schedule<'w>(&self, _fiber: spindle_fiber::Woken<'w, ()>) -> Result<(), spindle_fiber::Woken<'w, ()>> {
+        panic!("schedule panics");
+    }
+}
