@@ -944,8 +944,13 @@ pub fn sleep_on(reason: &'static WaitReason) {
     hr.sleep_request.store(true, Ordering::Relaxed);
     // A sleep inside a destructor during an unwind: if the fiber is dropped
     // before it wakes, it cannot be unwound (see `release`).
-    hr.slept_panicking
-        .store(std::thread::panicking(), Ordering::Relaxed);
+    let panicking = std::thread::panicking();
+    hr.slept_panicking.store(panicking, Ordering::Relaxed);
+    if !panicking && hr.panicked_on.load(Ordering::Relaxed) != 0 {
+        // Not inside a panic's unwind, whatever began before: a panic the
+        // function caught is over (see `Header::panicked_on`).
+        hr.panicked_on.store(0, Ordering::Relaxed);
+    }
     // SAFETY: as in `yield_value`.
     unsafe { (*yielder).suspend(crate::fiber::SLEEP_SIGNAL) };
 }

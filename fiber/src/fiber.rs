@@ -541,7 +541,11 @@ impl<T> Inner<T> {
 /// thread: the runner's thread stays "panicking" until the fiber resumes,
 /// and after a suspension inside a hook, the next panic on that thread
 /// aborts the process. Not undefined behaviour, but nothing to rely on
-/// (DESIGN.md, "Known gaps", "Suspending while unwinding").
+/// (DESIGN.md, "Known gaps", "Suspending while unwinding"). Such a fiber
+/// cannot be unwound by dropping it while it is suspended there (the
+/// second unwind would abort the process): its last handle's drop leaks
+/// its stack instead (counted by [`leaked_stacks`](crate::leaked_stacks)).
+/// Run it until its run returns [`RunOutcome::Panicked`] instead.
 ///
 /// ```compile_fail,E0277
 /// // Captured values must be Send: an Rc could be reached from two threads.
@@ -674,6 +678,7 @@ impl<T: Send + 'static> Fiber<T> {
             unwinding_for_drop: AtomicBool::new(false),
             panicking_means_unwinding: AtomicBool::new(false),
             slept_panicking: AtomicBool::new(false),
+            panicked_on: AtomicU64::new(0),
             stackless: AtomicBool::new(false),
         };
         let inner = Box::new(Inner {
@@ -860,6 +865,9 @@ impl<T: Send + 'static> Fiber<T> {
             unsafe { (*me).yielder.store(std::ptr::null_mut(), Ordering::Relaxed) };
             // SAFETY: as above.
             unsafe { (*me).drop_yielder.store(std::ptr::null_mut(), Ordering::Relaxed) };
+            // No unwind of this function is in progress now.
+            // SAFETY: as above.
+            unsafe { (*me).panicked_on.store(0, Ordering::Relaxed) };
             result
         });
         slot.coro = Some(coro);
@@ -875,6 +883,7 @@ impl<T: Send + 'static> Fiber<T> {
         h.interrupt.store(generation << 1, Ordering::Relaxed);
         h.unwinding_for_drop.store(false, Ordering::Relaxed);
         h.slept_panicking.store(false, Ordering::Relaxed);
+        h.panicked_on.store(0, Ordering::Relaxed);
         h.panicking_means_unwinding.store(false, Ordering::Relaxed);
         h.pinned_to.store(0, Ordering::Relaxed);
         slot.migratable = migratable;
@@ -1787,10 +1796,13 @@ unsafe fn release_last<T>(ptr: NonNull<Inner<T>>) {
         // destructor during cleanup, which aborts the process. Its stack
         // is leaked instead (found by a shutdown stress test: a joiner in a
         // destructor during its cancel unwind, dropped by the final drain).
+        // The same holds for a fiber that yielded there, as far as the
+        // panic hook lets us tell (`Header::may_be_suspended_in_panic`).
         let unwind = cfg!(panic = "unwind")
             && slot.coro.as_ref().is_some_and(|c| c.started() && !c.done())
             && (slot.migratable || slot.pin == crate::tls::thread_id_word())
-            && !inner.header.slept_panicking.load(Ordering::Relaxed);
+            && !inner.header.slept_panicking.load(Ordering::Relaxed)
+            && !inner.header.may_be_suspended_in_panic();
         (unwind, slot.pool)
     };
     // The forced unwind of the fiber this runs on, if the unwind below

@@ -212,6 +212,15 @@ pub(crate) struct Header {
     /// so `release` leaks such a stack instead. Written by the fiber as it
     /// sleeps, cleared by `set_function`.
     pub(crate) slept_panicking: AtomicBool,
+    /// The thread (its id word) on which a panic last began in the
+    /// fiber's current function, or 0: written by the crate's panic hook as
+    /// the panic starts, cleared when the function ends, when it sleeps
+    /// while its thread is not panicking, and by `set_function`. Non-zero
+    /// while the fiber is suspended means it may be suspended inside that
+    /// panic's unwind (a destructor that yields), which `release` cannot
+    /// unwind again without aborting the process. Only ever set with the
+    /// hook installed and not replaced since (`report::install_panic_hook`).
+    pub(crate) panicked_on: AtomicU64,
     /// Set once the fiber has lost its stack for good (its suspended
     /// function was unwound on drop while a destructor kept a reference,
     /// or dropping an unstarted closure panicked); never cleared. Read by
@@ -253,6 +262,20 @@ pub(crate) struct Header {
 pub struct WaitReason(pub &'static str);
 
 impl Header {
+    /// Whether the suspended fiber may be inside the unwind of a panic
+    /// (a destructor that yielded while its function panicked), which a
+    /// forced unwind could not start from without aborting the process.
+    /// Certain only on the thread the panic began on: there the thread is
+    /// still panicking while the unwind is suspended (std counts panics per
+    /// thread). On another thread, or while this thread panics for another
+    /// reason, a panic the function caught cannot be told from one still
+    /// unwinding, and the answer is yes. Called on the thread dropping the
+    /// fiber, by whoever owns its slot.
+    pub(crate) fn may_be_suspended_in_panic(&self) -> bool {
+        let on = self.panicked_on.load(Ordering::Relaxed);
+        on != 0 && (on != crate::tls::thread_id_word() || std::thread::panicking())
+    }
+
     pub(crate) fn priority(&self) -> crate::Priority {
         crate::Priority(self.priority.load(Ordering::Relaxed))
     }

@@ -30,6 +30,15 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
              counts every leak.)",
             h.display_name()
         );
+    } else if cfg!(panic = "unwind") && h.may_be_suspended_in_panic() {
+        warn!(
+            "spindle-fiber: fiber {} was dropped while suspended inside the unwind of its own panic \
+             (a destructor that yields while its fiber panics or is cancelled), or where that cannot \
+             be told apart: unwinding it from there would abort the process, so its stack is leaked \
+             and the rest of its destructors never run. Run such a fiber until it finishes (its run \
+             returns Panicked) before dropping it. (Said once; leaked_stacks() counts every leak.)",
+            h.display_name()
+        );
     } else if cfg!(panic = "unwind") {
         warn!(
             "spindle-fiber: fiber {} was dropped while suspended, on another thread than the one it is \
@@ -54,7 +63,8 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
 /// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
 /// dropped on another thread than the one it ran on (its locals could not
 /// be safely dropped there), a fiber dropped while asleep in a wait it
-/// began during an unwind (unwinding it from there would abort), a forced unwind that did not finish (it
+/// began during an unwind, or suspended in a yield inside its own panic's
+/// unwind (unwinding it from there would abort), a forced unwind that did not finish (it
 /// panicked, or suspended into a function that is over), and a closure
 /// that never ran whose drop panicked. The first suspended fiber leaked
 /// for want of a place to unwind it (the first case, or a build with
@@ -119,6 +129,11 @@ pub(crate) fn install_panic_hook() {
             let h = crate::current::current_header();
             // SAFETY: a non-null current fiber is the one running on this thread.
             if let Some(h) = unsafe { h.as_ref() } {
+                // Remembered for `release`: if the fiber suspends inside
+                // this panic's unwind (a destructor that yields) and is then
+                // dropped, unwinding it again would abort the process.
+                h.panicked_on
+                    .store(crate::tls::thread_id_word(), Ordering::Relaxed);
                 // Not eprintln!: a failed write (a closed stderr pipe) must
                 // not panic inside the hook, which would abort the process.
                 use std::io::Write;

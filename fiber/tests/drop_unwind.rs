@@ -1214,3 +1214,140 @@ fn a_fiber_asleep_in_a_destructor_during_a_panic_is_leaked_when_dropped() {
         describe(&out)
     );
 }
+
+const YIELDED_PANICKING_CHILD: &str =
+    "a_fiber_that_yielded_in_a_destructor_during_a_panic_is_leaked_when_dropped";
+
+/// A destructor that yields while a panic unwinds its fiber, and the
+/// fiber dropped there (its run returned `Yielded` mid-unwind): a forced
+/// unwind would start inside that destructor's cleanup and abort the
+/// process, so the stack is leaked (counted, reported once) instead. It
+/// aborted before the crate's panic hook started recording where a panic
+/// began. In a child process, so that a regression's abort is the child's.
+#[test]
+fn a_fiber_that_yielded_in_a_destructor_during_a_panic_is_leaked_when_dropped() {
+    struct YieldsOnDrop;
+    impl Drop for YieldsOnDrop {
+        fn drop(&mut self) {
+            yield_now();
+        }
+    }
+    if is_child(YIELDED_PANICKING_CHILD) {
+        no_core_dumps();
+        let before = leaked_stacks();
+        let fiber = Fiber::<()>::new(FiberAttr::new().name("yields-in-cleanup")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                let _y = YieldsOnDrop;
+                panic!("the unwind that runs the yielding destructor");
+            })
+            .unwrap();
+        assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(0))));
+        drop(fiber);
+        eprintln!("child leaked: {}", leaked_stacks() - before);
+        return;
+    }
+    let out = run_child(YIELDED_PANICKING_CHILD, 60);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(stderr.contains("child leaked: 1"), "{}", describe(&out));
+    assert!(
+        stderr.contains("'yields-in-cleanup'") && stderr.contains("inside the unwind of its own panic"),
+        "{}",
+        describe(&out)
+    );
+}
+
+/// The same destructor, but the fiber is run on until its unwind ends:
+/// the panic comes back, and the fiber reused for a function that only
+/// yields is unwound normally when dropped (the mark of the earlier panic
+/// does not outlive its function).
+#[test]
+fn a_fiber_run_to_the_end_of_its_unwind_is_unwound_normally_afterwards() {
+    struct YieldsOnDrop(Arc<AtomicUsize>);
+    impl Drop for YieldsOnDrop {
+        fn drop(&mut self) {
+            yield_now();
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let _serial = leak_count_lock();
+    with_watchdog(
+        60,
+        "a_fiber_run_to_the_end_of_its_unwind_is_unwound_normally_afterwards",
+        || {
+            let before = leaked_stacks();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            let d = drops.clone();
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _y = YieldsOnDrop(d);
+                    panic!("unwinds through a yield");
+                })
+                .unwrap();
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(0))));
+            assert!(
+                std::thread::panicking(),
+                "the fiber's unwind is this thread's until it ends"
+            );
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Panicked(_))));
+            assert!(!std::thread::panicking());
+            assert_eq!(drops.load(Ordering::SeqCst), 1);
+
+            let d = drops.clone();
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _c = DropCounter(d);
+                    loop {
+                        yield_now();
+                    }
+                })
+                .unwrap();
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(0))));
+            drop(fiber);
+            assert_eq!(
+                drops.load(Ordering::SeqCst),
+                2,
+                "the local was dropped by the unwind"
+            );
+            assert_eq!(leaked_stacks(), before, "nothing leaked");
+        },
+    );
+}
+
+/// A panic the function catches itself is over: the fiber suspended later
+/// is unwound when dropped on its thread, not leaked as if it were still
+/// inside the panic.
+#[test]
+fn a_fiber_that_caught_its_own_panic_is_unwound_when_dropped() {
+    let _serial = leak_count_lock();
+    with_watchdog(
+        60,
+        "a_fiber_that_caught_its_own_panic_is_unwound_when_dropped",
+        || {
+            let before = leaked_stacks();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+            let d = drops.clone();
+            fiber
+                .set_function(Priority::NORMAL, move || {
+                    let _c = DropCounter(d);
+                    let caught = std::panic::catch_unwind(|| panic!("caught inside the fiber"));
+                    assert!(caught.is_err());
+                    loop {
+                        yield_now();
+                    }
+                })
+                .unwrap();
+            assert!(matches!(fiber.run(), Ok(RunOutcome::Yielded(0))));
+            drop(fiber);
+            assert_eq!(
+                drops.load(Ordering::SeqCst),
+                1,
+                "the local was dropped by the unwind"
+            );
+            assert_eq!(leaked_stacks(), before, "nothing leaked");
+        },
+    );
+}
