@@ -57,13 +57,17 @@
 //!   thread that runs a fiber also gets an alternate signal stack, unmapped
 //!   when the thread exits, unless it already had one.
 //! * **A panic hook** that names the panicking fiber (a line `panic in
-//!   fiber 'name' (#id):` on stderr), then calls the hook that was
-//!   installed before. A hook set later with [`std::panic::set_hook`]
-//!   replaces it (reports then no longer name the fiber); one that should
-//!   keep the fiber's name can chain to [`std::panic::take_hook`]'s
-//!   result. A hook set *before* the first fiber, one that prints nothing
-//!   say, still gets that line in front of it: to silence panics in
-//!   fibers, set the hook after creating the first fiber.
+//!   fiber 'name' (#id):` on stderr) and notes that the fiber's function
+//!   is panicking, then calls the hook that was installed before. The note
+//!   lets a fiber dropped while suspended inside its own panic's unwind (a
+//!   destructor that yields) be leaked instead of unwound a second time,
+//!   which would abort the process. A hook set later with
+//!   [`std::panic::set_hook`] replaces it: reports then no longer name the
+//!   fiber, and such a drop aborts again. One that should keep both can
+//!   chain to [`std::panic::take_hook`]'s result. A hook set *before* the
+//!   first fiber, one that prints nothing say, still gets that line in
+//!   front of it: to silence panics in fibers, set the hook after creating
+//!   the first fiber (and let fibers finish their unwinds).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
