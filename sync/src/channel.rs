@@ -19,12 +19,13 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{wait, Interrupted, WaitList, Wakeup};
+use crate::wait::{thread_deadline, wait, Interrupted, TimedOut, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a channel");
 
@@ -377,7 +378,7 @@ impl RawChannel {
     #[track_caller]
     #[inline]
     pub fn pop(&self) -> Option<NonNull<MsgHeader>> {
-        match self.pop_inner::<false>() {
+        match self.pop_inner::<false>(None) {
             Ok(m) => m,
             Err(Interrupted) => unreachable!("a plain pop is not interruptible"),
         }
@@ -397,12 +398,32 @@ impl RawChannel {
     #[track_caller]
     #[inline]
     pub fn pop_interruptible(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
-        self.pop_inner::<true>()
+        self.pop_inner::<true>(None)
+    }
+
+    /// Like [`pop`](RawChannel::pop), for a thread that waits at most
+    /// `timeout`; see [`Channel::pop_timeout`].
+    ///
+    /// # Errors
+    ///
+    /// [`TimedOut`] if no message came (and the channel did not close)
+    /// before the timeout passed.
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as [`Channel::pop_timeout`].
+    #[track_caller]
+    pub fn pop_timeout(&self, timeout: Duration) -> Result<Option<NonNull<MsgHeader>>, TimedOut> {
+        let deadline = thread_deadline(timeout, "RawChannel::pop_timeout");
+        self.pop_inner::<false>(deadline).map_err(|Interrupted| TimedOut)
     }
 
     #[track_caller]
     #[inline]
-    fn pop_inner<const INTERRUPTIBLE: bool>(&self) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
+    fn pop_inner<const INTERRUPTIBLE: bool>(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<NonNull<MsgHeader>>, Interrupted> {
         let mut synced = self.synced.lock();
         if let Some(now) = synced.take_now() {
             return Ok(NonNull::new(now.cast()));
@@ -415,6 +436,7 @@ impl RawChannel {
             Synced::take_now,
             None,
             &WAIT_REASON,
+            deadline,
         )?;
         let Some(handed) = NonNull::new(handed.cast::<MsgHeader>()) else {
             return Ok(None);
@@ -819,6 +841,45 @@ impl<T> Channel<T> {
     pub fn pop_interruptible(&self) -> Result<Option<Msg<T>>, Interrupted> {
         // SAFETY: as in `pop`.
         self.raw.pop_interruptible().map(|h| h.map(|h| unsafe { Msg::from_header(h) }))
+    }
+
+    /// Like [`pop`](Channel::pop), for a thread that waits at most
+    /// `timeout`. A message handed to it as the timeout passes is still
+    /// taken; one not taken stays for the other receivers. `Ok(None)`: the
+    /// channel is closed and empty, as for `pop`. A duration too long to
+    /// add to the current time waits as `pop` does.
+    ///
+    /// ```
+    /// use spindle_sync::{Channel, Msg, TimedOut};
+    /// use std::time::Duration;
+    ///
+    /// let chan = Channel::new();
+    /// assert_eq!(chan.pop_timeout(Duration::from_millis(10)).map(|m| m.map(Msg::into_inner)), Err(TimedOut));
+    /// chan.push(Msg::new(7)).unwrap();
+    /// assert_eq!(chan.pop_timeout(Duration::from_millis(10)).map(|m| m.map(Msg::into_inner)), Ok(Some(7)));
+    /// chan.close();
+    /// assert!(matches!(chan.pop_timeout(Duration::from_millis(10)), Ok(None)));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`TimedOut`] if no message came (and the channel did not close)
+    /// before the timeout passed.
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as
+    /// [`Semaphore::acquire_timeout`](crate::Semaphore::acquire_timeout)
+    /// does: a fiber uses [`pop_interruptible`](Channel::pop_interruptible)
+    /// under its scheduler's deadline.
+    #[track_caller]
+    pub fn pop_timeout(&self, timeout: Duration) -> Result<Option<Msg<T>>, TimedOut> {
+        let deadline = thread_deadline(timeout, "Channel::pop_timeout");
+        match self.raw.pop_inner::<false>(deadline) {
+            // SAFETY: as in `pop`.
+            Ok(h) => Ok(h.map(|h| unsafe { Msg::from_header(h) })),
+            Err(Interrupted) => Err(TimedOut),
+        }
     }
 
     /// Takes the oldest message if there is one (on a closed channel too:

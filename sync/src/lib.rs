@@ -167,4 +167,4 @@ mod wait;
 pub use channel::{Channel, Closed, Msg, MsgHeader, RawChannel};
 pub use mutex::{Mutex, MutexGuard};
 pub use semaphore::Semaphore;
-pub use wait::Interrupted;
+pub use wait::{Interrupted, TimedOut};

@@ -5,10 +5,11 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{wait, Interrupted, WaitList, Wakeup};
+use crate::wait::{thread_deadline, wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a mutex");
 
@@ -184,7 +185,7 @@ impl<T: ?Sized> Mutex<T> {
     pub fn lock(&self) -> MutexGuard<'_, T> {
         // Locker step 1: free and nobody waiting.
         if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            let _ = self.lock_slow::<false>();
+            let _ = self.lock_slow::<false>(None);
         }
         MutexGuard { mutex: self }
     }
@@ -194,7 +195,7 @@ impl<T: ?Sized> Mutex<T> {
     /// (DESIGN.md, "Mutex").
     #[cold]
     #[track_caller]
-    fn lock_slow<const INTERRUPTIBLE: bool>(&self) -> Result<(), Interrupted> {
+    fn lock_slow<const INTERRUPTIBLE: bool>(&self, deadline: Option<Instant>) -> Result<(), Interrupted> {
         let w = self.waiters.lock();
         if take_or_mark(&self.state) {
             return Ok(());
@@ -208,6 +209,7 @@ impl<T: ?Sized> Mutex<T> {
             |_| take_or_mark(&self.state).then_some(ptr::null_mut()),
             None,
             &WAIT_REASON,
+            deadline,
         )
         .map(drop)
     }
@@ -271,9 +273,45 @@ impl<T: ?Sized> Mutex<T> {
     #[inline]
     pub fn lock_interruptible(&self) -> Result<MutexGuard<'_, T>, Interrupted> {
         if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            self.lock_slow::<true>()?;
+            self.lock_slow::<true>(None)?;
         }
         Ok(MutexGuard { mutex: self })
+    }
+
+    /// Like [`lock`](Mutex::lock), for a thread that waits at most
+    /// `timeout`: `None` if the lock did not come by then. A lock handed to
+    /// it as the timeout passes is still taken. A duration too long to add
+    /// to the current time waits as `lock` does.
+    ///
+    /// ```
+    /// use spindle_sync::Mutex;
+    /// use std::time::Duration;
+    ///
+    /// let mutex = Mutex::new(0);
+    /// let guard = mutex.lock();
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| assert!(mutex.lock_timeout(Duration::from_millis(10)).is_none()));
+    /// });
+    /// drop(guard);
+    /// assert!(mutex.lock_timeout(Duration::from_millis(10)).is_some());
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as
+    /// [`Semaphore::acquire_timeout`](crate::Semaphore::acquire_timeout)
+    /// does: a fiber uses [`lock_interruptible`](Mutex::lock_interruptible)
+    /// under its scheduler's deadline.
+    #[track_caller]
+    #[must_use = "the wait may time out, and the lock is released when the guard is dropped"]
+    pub fn lock_timeout(&self, timeout: Duration) -> Option<MutexGuard<'_, T>> {
+        let deadline = thread_deadline(timeout, "Mutex::lock_timeout");
+        if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err()
+            && self.lock_slow::<false>(deadline).is_err()
+        {
+            return None;
+        }
+        Some(MutexGuard { mutex: self })
     }
 
     /// Locks the mutex if it is free now (and nobody waits for it).

@@ -2,11 +2,12 @@
 
 use std::fmt;
 use std::ptr;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use spindle_fiber::{Priority, WaitReason};
 
-use crate::wait::{wait, Interrupted, WaitList, Wakeup};
+use crate::wait::{thread_deadline, wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
@@ -111,7 +112,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire(&self) {
-        let _ = self.acquire_inner::<false>(None, &WAIT_REASON);
+        let _ = self.acquire_inner::<false>(None, &WAIT_REASON, None);
     }
 
     /// Like [`acquire`](Semaphore::acquire), naming what a fiber that has
@@ -131,7 +132,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_for(&self, reason: &'static WaitReason) {
-        let _ = self.acquire_inner::<false>(None, reason);
+        let _ = self.acquire_inner::<false>(None, reason, None);
     }
 
     /// Like [`acquire`](Semaphore::acquire); a fiber that has to wait is
@@ -145,7 +146,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_with_priority(&self, priority: Priority) {
-        let _ = self.acquire_inner::<false>(Some(priority), &WAIT_REASON);
+        let _ = self.acquire_inner::<false>(Some(priority), &WAIT_REASON, None);
     }
 
     /// Like [`acquire`](Semaphore::acquire), but a fiber's wait ends early
@@ -185,7 +186,7 @@ impl Semaphore {
     #[track_caller]
     #[inline]
     pub fn acquire_interruptible(&self) -> Result<(), Interrupted> {
-        self.acquire_inner::<true>(None, &WAIT_REASON)
+        self.acquire_inner::<true>(None, &WAIT_REASON, None)
     }
 
     #[track_caller]
@@ -194,6 +195,7 @@ impl Semaphore {
         &self,
         priority: Option<Priority>,
         reason: &'static WaitReason,
+        deadline: Option<Instant>,
     ) -> Result<(), Interrupted> {
         let mut synced = self.synced.lock();
         if synced.try_take() {
@@ -208,8 +210,40 @@ impl Semaphore {
             |s| s.try_take().then_some(ptr::null_mut()),
             priority,
             reason,
+            deadline,
         )
         .map(drop)
+    }
+
+    /// Like [`acquire`](Semaphore::acquire), for a thread that waits at
+    /// most `timeout`: whether it took a token. A token handed to it as the
+    /// timeout passes is still taken (`true`); one not taken stays for the
+    /// others. A duration too long to add to the current time waits as
+    /// `acquire` does.
+    ///
+    /// ```
+    /// use spindle_sync::Semaphore;
+    /// use std::time::Duration;
+    ///
+    /// let sem = Semaphore::new(1);
+    /// assert!(sem.acquire_timeout(Duration::from_millis(10))); // one there
+    /// assert!(!sem.acquire_timeout(Duration::from_millis(10))); // none comes
+    /// assert_eq!(sem.waiters(), 0, "a wait that timed out leaves nothing behind");
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep: not while its dropped stack is
+    /// unwound): this crate has no clock to wake a sleeping fiber at the
+    /// deadline. A fiber uses
+    /// [`acquire_interruptible`](Semaphore::acquire_interruptible) under
+    /// its scheduler's deadline instead (`spindle-executor`:
+    /// `interrupt_after`).
+    #[track_caller]
+    #[must_use = "the wait may time out; check whether a token was taken"]
+    pub fn acquire_timeout(&self, timeout: Duration) -> bool {
+        let deadline = thread_deadline(timeout, "Semaphore::acquire_timeout");
+        self.acquire_inner::<false>(None, &WAIT_REASON, deadline).is_ok()
     }
 
     /// Takes a token if one is available now.

@@ -65,6 +65,7 @@ use std::pin::pin;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::thread::Thread;
+use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 use spindle_fiber::{Priority, WaitHook, WaitReason, WaitToken, Waiter};
@@ -390,6 +391,39 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+/// Why a timed wait returned without what it waited for: its timeout
+/// passed first. Nothing was taken. Timed waits are for threads (see
+/// [`Semaphore::acquire_timeout`](crate::Semaphore::acquire_timeout)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimedOut;
+
+impl std::fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the timeout passed before the wait got what it waited for; nothing was taken: give up, or \
+             wait again",
+        )
+    }
+}
+
+impl std::error::Error for TimedOut {}
+
+/// The deadline of a timed wait `timeout` from now (`None`: too far to
+/// represent, so no deadline). Panics, naming `what`, in a fiber that may
+/// sleep: nothing in this crate could wake it at the deadline.
+#[track_caller]
+pub(crate) fn thread_deadline(timeout: std::time::Duration, what: &str) -> Option<Instant> {
+    if spindle_fiber::may_sleep() {
+        panic!(
+            "spindle_sync: {what} called in a fiber: a sleeping fiber can only be woken at a deadline \
+             by its scheduler's clock, which this crate does not have, so timed waits are for threads. \
+             In a fiber, use the interruptible wait under your scheduler's deadline (spindle-executor: \
+             interrupt_after), or the try_ method in a loop of your own"
+        );
+    }
+    Instant::now().checked_add(timeout)
+}
+
 /// Whether the caller runs on a fiber whose stack is being unwound because
 /// it was dropped (a destructor of that unwind, or code that caught it).
 fn dropped_fiber() -> bool {
@@ -413,6 +447,11 @@ fn dropped_fiber() -> bool {
 /// stack is being unwound because it was dropped (a destructor that waits:
 /// it has no runner left, so it is as good as cancelled, and its wait
 /// could only block the dropping thread); a thread waits as before.
+///
+/// `deadline` (plain waits of threads only: the caller checks that it is
+/// not a fiber that may sleep): once it passes with nothing handed over,
+/// the thread takes its node off the list and returns `Err(Interrupted)`
+/// (which the caller reports as a timeout).
 #[track_caller]
 #[inline]
 pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
@@ -422,7 +461,12 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
     take_now: impl Fn(&mut S) -> Option<*mut ()>,
     wake_priority: Option<Priority>,
     reason: &'static WaitReason,
+    deadline: Option<Instant>,
 ) -> Result<*mut (), Interrupted> {
+    debug_assert!(
+        deadline.is_none() || !(INTERRUPTIBLE || spindle_fiber::may_sleep()),
+        "a deadline is for a plain wait of a thread"
+    );
     if INTERRUPTIBLE && (spindle_fiber::take_interrupt() || dropped_fiber()) {
         return Err(Interrupted);
     }
@@ -516,6 +560,39 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
                 // SAFETY: the node is this frame's, unlinked and pinned.
                 unsafe { relink(&node, list(&mut locked)) };
             }
+        }
+    } else if let Some(deadline) = deadline {
+        // A timed wait of a thread (timed sleeper steps T1 to T3 in
+        // DESIGN.md, "Timed waits of threads").
+        loop {
+            // T1: handed what it waited for: done, as an untimed wait.
+            if node.done.load(Ordering::Acquire) == DONE {
+                break;
+            }
+            let now = Instant::now();
+            if now < deadline {
+                std::thread::park_timeout(deadline - now);
+                continue;
+            }
+            // T2: the deadline passed. Under the lock, no waker can reach
+            // the node: either one came first (`DONE`: the value is ours,
+            // as if it came in time) or the node is still linked, and
+            // leaving takes it off the list, so no waker ever hands it
+            // anything.
+            let mut locked = mutex.lock();
+            if node.done.load(Ordering::Acquire) == DONE {
+                break;
+            }
+            // SAFETY: linked (a thread's node is never revoked), on this
+            // list, and we hold its primitive's lock.
+            unsafe { list(&mut locked).remove(&node) };
+            drop(locked);
+            // T3: nothing was taken; the node (and the handle of this
+            // thread in it) goes with the frame. A waker that took an
+            // earlier look holds no reference to it: it only ever touches
+            // nodes it unlinks under the lock.
+            std::mem::forget(linked);
+            return Err(Interrupted);
         }
     } else {
         while node.done.load(Ordering::Acquire) != DONE {

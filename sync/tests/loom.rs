@@ -1,6 +1,7 @@
 //! Loom models of spindle-sync: a channel's hand-over of a message (this
-//! header), the mutex's state word (module `mutex_model`) and a channel's
-//! close against a refused hand-over (module `close_model`); docs/loom.md
+//! header), the mutex's state word (module `mutex_model`), a channel's
+//! close against a refused hand-over (module `close_model`) and a thread's
+//! timed wait against a waker (module `timed_model`); docs/loom.md
 //! describes each.
 //!
 //! The hand-over: a message to a waiting receiver
@@ -530,4 +531,101 @@ mod close_model {
 #[test]
 fn a_close_racing_a_refused_hand_over_loses_no_message_and_wakes_every_receiver() {
     close_model::model();
+}
+
+/// A thread's timed wait against a waker (DESIGN.md, "Timed waits of
+/// threads"), mirrored on a semaphore: the taker links its node under the
+/// lock, parks once (loom's yield), and then its deadline passes: under
+/// the lock it takes what a releaser handed over (`done`) or unlinks its
+/// node (T2). The releaser hands its token to a linked node (unlinking it,
+/// then `done`) or counts it. Every execution must end with the token
+/// taken once or counted once, and no node linked. The `should_panic`
+/// variant decides on the timeout from a look at `done` made before it
+/// locks, and unlinks whatever it finds: loom must find the execution
+/// where the token is handed over in between and lost.
+mod timed_model {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    struct State {
+        tokens: usize,
+        linked: bool,
+    }
+
+    struct World {
+        state: Mutex<State>,
+        /// The node's `done`: set by the releaser after unlinking it.
+        done: AtomicBool,
+    }
+
+    pub(super) fn check(look_under_the_lock: bool) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(move || {
+            let w = Arc::new(World {
+                state: Mutex::new(State { tokens: 0, linked: false }),
+                done: AtomicBool::new(false),
+            });
+
+            let releaser = {
+                let w = w.clone();
+                thread::spawn(move || {
+                    let mut s = w.state.lock().unwrap();
+                    if s.linked {
+                        // Waker step 1: unlink, hand over, then `done`.
+                        s.linked = false;
+                        w.done.store(true, Ordering::Release);
+                    } else {
+                        s.tokens += 1;
+                    }
+                })
+            };
+
+            // The taker: sleeper steps 1-3.
+            let mut got = {
+                let mut s = w.state.lock().unwrap();
+                if s.tokens > 0 {
+                    s.tokens -= 1;
+                    true
+                } else {
+                    s.linked = true;
+                    false
+                }
+            };
+            if !got {
+                // T1: one park; the deadline passes after it.
+                got = w.done.load(Ordering::Acquire);
+                if !got {
+                    thread::yield_now();
+                    let early_look = w.done.load(Ordering::Acquire);
+                    // T2.
+                    let mut s = w.state.lock().unwrap();
+                    let handed =
+                        if look_under_the_lock { w.done.load(Ordering::Acquire) } else { early_look };
+                    if handed {
+                        got = true;
+                    } else {
+                        s.linked = false;
+                    }
+                }
+            }
+
+            releaser.join().unwrap();
+            let s = w.state.lock().unwrap();
+            assert!(!s.linked, "a node was left on the list");
+            assert_eq!(usize::from(got) + s.tokens, 1, "the token was lost or taken twice");
+        });
+    }
+}
+
+#[test]
+fn a_timed_out_thread_takes_a_token_handed_to_it_or_leaves_it_counted() {
+    timed_model::check(true);
+}
+
+#[test]
+#[should_panic(expected = "the token was lost or taken twice")]
+fn a_timeout_decided_before_the_lock_loses_a_handed_token() {
+    timed_model::check(false);
 }

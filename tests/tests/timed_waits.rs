@@ -1,0 +1,273 @@
+//! Timed waits of threads: `Semaphore::acquire_timeout`,
+//! `Mutex::lock_timeout`, `Channel::pop_timeout`. A wait that times out
+//! takes nothing and leaves nothing behind; one handed what it waited for
+//! as the timeout passes keeps it; nothing is lost or taken twice when
+//! timeouts race releases, unlocks and pushes; in a fiber they panic with
+//! the reason.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{fiber, spin_until, watchdog};
+use spindle_fiber::{Priority, RunOutcome};
+use spindle_run_queue::RunQueue;
+use spindle_sync::{Channel, Msg, Mutex, Semaphore, TimedOut};
+
+const SHORT: Duration = Duration::from_millis(20);
+/// Longer than any test runs: a wait that must be ended by a waker.
+const LONG: Duration = Duration::from_secs(600);
+
+#[test]
+fn a_timed_out_acquire_takes_nothing_and_leaves_no_waiter() {
+    watchdog("a_timed_out_acquire_takes_nothing_and_leaves_no_waiter", 30, |_| {
+        let sem = Semaphore::new(0);
+        let start = Instant::now();
+        assert!(!sem.acquire_timeout(SHORT));
+        assert!(start.elapsed() >= SHORT, "it waited the whole timeout");
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        // A token released later is there for the next taker.
+        sem.release(1);
+        assert!(sem.acquire_timeout(SHORT));
+        assert_eq!(sem.available(), 0);
+    });
+}
+
+#[test]
+fn a_release_during_a_timed_acquire_hands_the_token_over() {
+    watchdog("a_release_during_a_timed_acquire_hands_the_token_over", 30, |stage| {
+        for timeout in [LONG, Duration::MAX] {
+            let sem = Arc::new(Semaphore::new(0));
+            let s = sem.clone();
+            let taker = std::thread::spawn(move || s.acquire_timeout(timeout));
+            stage.set(format!("{timeout:?}: waiting for the taker to wait"));
+            spin_until(|| sem.waiters() == 1);
+            sem.release(1);
+            assert!(taker.join().unwrap(), "{timeout:?}: the token was handed over");
+            assert_eq!((sem.available(), sem.waiters()), (0, 0));
+        }
+    });
+}
+
+/// A timed-out thread's node leaves the list: the next release goes to the
+/// fiber that waited behind it. (The thread's timeout is meant to pass
+/// after the fiber is queued behind it; on a machine too slow for that the
+/// test still checks that nothing is left behind.)
+#[test]
+fn a_timed_out_thread_does_not_hold_up_a_fiber_behind_it() {
+    watchdog("a_timed_out_thread_does_not_hold_up_a_fiber_behind_it", 30, |stage| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let thread = std::thread::spawn(move || s.acquire_timeout(Duration::from_millis(300)));
+        spin_until(|| sem.waiters() == 1);
+        let queue = RunQueue::new(2);
+        let s = sem.clone();
+        queue.try_push(fiber(Priority::NORMAL, move || s.acquire())).unwrap();
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        stage.set("the thread times out");
+        assert!(!thread.join().unwrap(), "no token came for the thread");
+        assert_eq!(sem.waiters(), 1, "only the fiber waits");
+        sem.release(1);
+        stage.set("the fiber takes the token");
+        assert!(matches!(queue.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+        assert_eq!((sem.available(), sem.waiters()), (0, 0));
+    });
+}
+
+/// Timeouts racing releases: every token released is taken exactly once
+/// or still there, and no waiter is left.
+#[test]
+fn timeouts_racing_releases_lose_no_token() {
+    const ROUNDS: usize = 200;
+    watchdog("timeouts_racing_releases_lose_no_token", 120, |stage| {
+        for round in 0..ROUNDS {
+            stage.set(format!("round {round}"));
+            let sem = Arc::new(Semaphore::new(0));
+            let taken = Arc::new(AtomicUsize::new(0));
+            let takers: Vec<_> = (0..3)
+                .map(|i| {
+                    let (sem, taken) = (sem.clone(), taken.clone());
+                    std::thread::spawn(move || {
+                        for k in 0..20 {
+                            let timeout = Duration::from_micros(((round + i + k) % 7) as u64 * 20);
+                            if sem.acquire_timeout(timeout) {
+                                taken.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            let mut released = 0;
+            for k in 0..30 {
+                sem.release(1 + k % 2);
+                released += 1 + k % 2;
+                std::thread::yield_now();
+            }
+            for t in takers {
+                t.join().unwrap();
+            }
+            assert_eq!(sem.waiters(), 0, "round {round}: a waiter was left behind");
+            assert_eq!(
+                taken.load(Ordering::SeqCst) + sem.available(),
+                released,
+                "round {round}: tokens taken plus tokens left"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_timed_lock_waits_for_the_holder_or_gives_up() {
+    watchdog("a_timed_lock_waits_for_the_holder_or_gives_up", 30, |stage| {
+        let mutex = Arc::new(Mutex::new(0u32));
+        let guard = mutex.lock();
+        let m = mutex.clone();
+        stage.set("a lock held for good: the timed lock gives up");
+        assert!(std::thread::spawn(move || m.lock_timeout(SHORT).is_none()).join().unwrap());
+        assert_eq!(mutex.waiters(), 0);
+        let m = mutex.clone();
+        let locker = std::thread::spawn(move || {
+            let mut g = m.lock_timeout(LONG).expect("handed the lock");
+            *g += 1;
+        });
+        stage.set("the holder unlocks: the timed lock gets it");
+        spin_until(|| mutex.waiters() == 1);
+        drop(guard);
+        locker.join().unwrap();
+        assert_eq!(*mutex.try_lock().expect("unlocked again"), 1);
+    });
+}
+
+/// Timed lockers racing plain ones: the lock stays exclusive, every lock
+/// taken is counted once, and it ends free with nobody waiting.
+#[test]
+fn timed_lockers_racing_keep_the_lock_exclusive() {
+    watchdog("timed_lockers_racing_keep_the_lock_exclusive", 120, |stage| {
+        for round in 0..100usize {
+            stage.set(format!("round {round}"));
+            let mutex = Arc::new(Mutex::new(0usize));
+            let inside = Arc::new(AtomicBool::new(false));
+            let got = Arc::new(AtomicUsize::new(0));
+            let threads: Vec<_> = (0..3)
+                .map(|i| {
+                    let (mutex, inside, got) = (mutex.clone(), inside.clone(), got.clone());
+                    std::thread::spawn(move || {
+                        for k in 0..20 {
+                            let guard = if i == 0 {
+                                Some(mutex.lock())
+                            } else {
+                                mutex.lock_timeout(Duration::from_micros(((round + k) % 5) as u64 * 10))
+                            };
+                            if let Some(mut g) = guard {
+                                assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                                *g += 1;
+                                got.fetch_add(1, Ordering::SeqCst);
+                                std::thread::yield_now();
+                                inside.store(false, Ordering::SeqCst);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(mutex.waiters(), 0, "round {round}");
+            let g = mutex.try_lock().expect("the lock ends free");
+            assert_eq!(*g, got.load(Ordering::SeqCst), "round {round}: every lock counted once");
+        }
+    });
+}
+
+#[test]
+fn a_timed_pop_gets_a_message_a_close_or_times_out() {
+    watchdog("a_timed_pop_gets_a_message_a_close_or_times_out", 30, |stage| {
+        let chan = Arc::new(Channel::<u32>::new());
+        assert_eq!(chan.pop_timeout(SHORT).map(|m| m.map(Msg::into_inner)), Err(TimedOut));
+        assert_eq!(chan.receivers(), 0, "a pop that timed out leaves no receiver");
+
+        stage.set("a push during the wait");
+        let c = chan.clone();
+        let rx = std::thread::spawn(move || c.pop_timeout(LONG).map(|m| m.map(Msg::into_inner)));
+        spin_until(|| chan.receivers() == 1);
+        chan.push(Msg::new(7)).unwrap();
+        assert_eq!(rx.join().unwrap(), Ok(Some(7)));
+
+        stage.set("a close during the wait");
+        let c = chan.clone();
+        let rx = std::thread::spawn(move || c.pop_timeout(LONG).map(|m| m.map(Msg::into_inner)));
+        spin_until(|| chan.receivers() == 1);
+        chan.close();
+        assert_eq!(rx.join().unwrap(), Ok(None));
+        assert_eq!(chan.receivers(), 0);
+    });
+}
+
+/// Timed receivers racing pushers: every message is received exactly once
+/// or still queued, and no receiver is left.
+#[test]
+fn timed_pops_racing_pushes_lose_no_message() {
+    const MESSAGES: usize = 60;
+    watchdog("timed_pops_racing_pushes_lose_no_message", 120, |stage| {
+        for round in 0..100usize {
+            stage.set(format!("round {round}"));
+            let chan = Arc::new(Channel::<usize>::new());
+            let seen: Arc<Vec<AtomicUsize>> = Arc::new((0..MESSAGES).map(|_| AtomicUsize::new(0)).collect());
+            let receivers: Vec<_> = (0..3)
+                .map(|i| {
+                    let (chan, seen) = (chan.clone(), seen.clone());
+                    std::thread::spawn(move || {
+                        for k in 0..30 {
+                            let timeout = Duration::from_micros(((round + i + k) % 6) as u64 * 15);
+                            if let Ok(Some(m)) = chan.pop_timeout(timeout) {
+                                seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for id in 0..MESSAGES {
+                chan.push(Msg::new(id)).unwrap();
+                if id % 3 == 0 {
+                    std::thread::yield_now();
+                }
+            }
+            for r in receivers {
+                r.join().unwrap();
+            }
+            assert_eq!(chan.receivers(), 0, "round {round}: a receiver was left behind");
+            while let Some(m) = chan.try_pop() {
+                seen[m.into_inner()].fetch_add(1, Ordering::SeqCst);
+            }
+            for (id, n) in seen.iter().enumerate() {
+                assert_eq!(n.load(Ordering::SeqCst), 1, "round {round}: message {id}");
+            }
+        }
+    });
+}
+
+/// In a fiber, a timed wait panics with the reason and what to use
+/// instead (no clock here could wake the fiber at the deadline).
+#[test]
+fn a_timed_wait_in_a_fiber_panics_with_the_reason() {
+    watchdog("a_timed_wait_in_a_fiber_panics_with_the_reason", 30, |_| {
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let f = fiber(Priority::NORMAL, move || s.acquire_timeout(SHORT));
+        match f.run() {
+            Ok(RunOutcome::Panicked(p)) => {
+                let msg = p.message().unwrap_or_default().to_owned();
+                assert!(
+                    msg.contains("Semaphore::acquire_timeout called in a fiber")
+                        && msg.contains("timed waits are for threads")
+                        && msg.contains("interrupt_after"),
+                    "{msg}"
+                );
+            }
+            other => panic!("expected the panic, got {other:?}"),
+        }
+        assert_eq!(sem.waiters(), 0);
+    });
+}
