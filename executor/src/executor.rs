@@ -819,6 +819,73 @@ impl<T: Send> JoinHandle<T> {
         }
     }
 
+    /// Waits at most `timeout` for the fiber to complete; whether it has.
+    /// Its outcome stays in the handle: [`join`](JoinHandle::join) then
+    /// returns it at once. Unlike `join`, a wait that times out leaves the
+    /// task running and the handle usable (wait again, or
+    /// [`cancel`](JoinHandle::cancel) it).
+    ///
+    /// On a thread it is a timed wait; in a fiber of an executor, an
+    /// interruptible wait under [`interrupt_after`](crate::interrupt_after)
+    /// (so another interrupt of the fiber ends it early too, and it is a
+    /// cancellation point). A fiber waiting for its own task gets `false`
+    /// at once. Deadlock detection does not count a thread waiting here:
+    /// its wait ends by itself.
+    ///
+    /// ```
+    /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+    /// #     std::thread::sleep(std::time::Duration::from_secs(60));
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     std::process::exit(1)
+    /// # });
+    /// use std::time::Duration;
+    /// use spindle_executor::sync::Semaphore;
+    /// use spindle_executor::Executor;
+    /// use std::sync::Arc;
+    ///
+    /// let exec = Executor::builder().workers(1).build();
+    /// let gate = Arc::new(Semaphore::new(0));
+    /// let g = gate.clone();
+    /// let task = exec.spawn(move || {
+    ///     g.acquire();
+    ///     7
+    /// });
+    /// assert!(!task.wait_timeout(Duration::from_millis(10)), "still waiting at its gate");
+    /// gate.release(1);
+    /// assert!(task.wait_timeout(Duration::from_secs(30)));
+    /// assert_eq!(task.join().unwrap(), 7);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber that is not an executor's (a fiber driven by hand or by
+    /// a run queue: [`interrupt_after`](crate::interrupt_after) has no
+    /// clock there). A cancelled fiber unwinds here (a cancellation
+    /// point).
+    #[track_caller]
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
+        let task = &self.task;
+        if task.finished.load(Ordering::Acquire) {
+            return true;
+        }
+        if let Some(me) = spindle_fiber::current_id() {
+            if me.as_u64() == task.started_fiber.load(Ordering::Acquire) {
+                return false;
+            }
+        }
+        // The done token (taken once the task completes) is left taken:
+        // `finished` is set before it is released, and `join` looks at that
+        // first.
+        if spindle_fiber::may_sleep() {
+            let _ = crate::interrupt_after(timeout, || task.done.acquire_interruptible());
+            // A cancel interrupts the wait: unwind now, as `join` does.
+            crate::ops::check_cancel();
+        } else {
+            let _ = task.done.acquire_timeout(timeout);
+        }
+        task.finished.load(Ordering::Acquire)
+    }
+
     /// Whether the fiber has completed.
     pub fn is_finished(&self) -> bool {
         self.task.finished.load(Ordering::Acquire)

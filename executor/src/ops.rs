@@ -317,7 +317,8 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// # Panics
 ///
 /// Outside a fiber of a `spindle-executor` executor (a thread cannot be
-/// interrupted: its waits would ignore the deadline), except in a fiber
+/// interrupted: its waits would ignore the deadline; it has timed waits
+/// of its own, such as `Semaphore::acquire_timeout`), except in a fiber
 /// whose stack is being unwound because it was dropped (`may_sleep()`
 /// false; see above), where `f` just runs.
 ///
@@ -333,7 +334,8 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
         }
         panic!(
             "spindle_executor::interrupt_after called outside an executor fiber: only a fiber's \
-             interruptible waits can be given a deadline (on a thread, poll with try_acquire/try_pop)"
+             interruptible waits can be given a deadline (a thread has timed waits of its own: \
+             acquire_timeout, lock_timeout, pop_timeout, JoinHandle::wait_timeout)"
         );
     };
     // A cancellation point: a loop that retries a timed wait would

@@ -145,6 +145,13 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
         self.inner.join()
     }
 
+    /// Waits at most `timeout` for the fiber; see
+    /// [`JoinHandle::wait_timeout`].
+    #[track_caller]
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
+        self.inner.wait_timeout(timeout)
+    }
+
     /// Whether the fiber has completed.
     pub fn is_finished(&self) -> bool {
         self.inner.is_finished()

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{wait_for, watchdog, Flag};
+use common::{wait_for, wait_within, watchdog, Flag};
 use spindle_executor::{sleep, yield_timeout, Executor};
 
 #[test]
@@ -508,5 +508,104 @@ fn a_passed_deadline_interrupts_every_wait_in_its_call() {
         wait_for(&stage, "the wait after the call", || first.is_set() && chan.receivers() == 1);
         chan.push(Msg::new(7)).unwrap();
         assert_eq!(h.join().unwrap(), (Err(Interrupted), Ok(7)));
+    });
+}
+
+/// `JoinHandle::wait_timeout` from a thread and from a fiber: false while
+/// the task waits at its gate (the task keeps running, the handle stays
+/// usable), true once it completed, and `join` then returns the value at
+/// once. A task waiting for itself gets false at once.
+#[test]
+fn wait_timeout_reports_completion_from_threads_and_fibers() {
+    use spindle_executor::sync::Semaphore;
+    watchdog("wait_timeout_reports_completion_from_threads_and_fibers", 60, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        for in_fiber in [false, true] {
+            stage.set(format!("in a fiber: {in_fiber}"));
+            let gate = Arc::new(Semaphore::new(0));
+            let g = gate.clone();
+            let task = exec.spawn(move || {
+                g.acquire();
+                7u32
+            });
+            let check = move || {
+                let start = Instant::now();
+                let early = task.wait_timeout(Duration::from_millis(20));
+                let waited = start.elapsed();
+                gate.release(1);
+                let done = task.wait_timeout(Duration::from_secs(60));
+                let again = task.wait_timeout(Duration::from_millis(1));
+                (early, waited, done, again, task.join())
+            };
+            let (early, waited, done, again, value) =
+                if in_fiber { exec.block_on(check).unwrap() } else { check() };
+            assert!(!early, "in a fiber: {in_fiber}: the task was still at its gate");
+            assert!(waited >= Duration::from_millis(20), "in a fiber: {in_fiber}: waited {waited:?}");
+            assert!(done && again, "in a fiber: {in_fiber}");
+            assert_eq!(value.unwrap(), 7);
+        }
+        stage.set("a task that waits for itself");
+        let slot: Arc<parking_lot::Mutex<Option<spindle_executor::JoinHandle<bool>>>> = Default::default();
+        let (s, started) = (slot.clone(), Flag::new());
+        let st = started.clone();
+        let me = exec.spawn(move || {
+            st.set();
+            loop {
+                if let Some(h) = s.lock().as_ref() {
+                    return h.wait_timeout(Duration::from_secs(60));
+                }
+                spindle_executor::yield_now();
+            }
+        });
+        wait_for(&stage, "the self-waiting task to start", || started.is_set());
+        // The handle goes where the task can see it; the task keeps its own
+        // copy of nothing else, so `join` below uses the slot's.
+        *slot.lock() = Some(me);
+        let finished =
+            wait_within(Duration::from_secs(30), || slot.lock().as_ref().is_some_and(|h| h.is_finished()));
+        assert!(finished, "the self-wait returned");
+        let h = slot.lock().take().unwrap();
+        assert!(!h.join().unwrap(), "a task waiting for itself gets false at once");
+    });
+}
+
+/// A cancelled fiber unwinds in `wait_timeout`; in a fiber that is not an
+/// executor's (driven by hand) it panics with the reason.
+#[test]
+fn wait_timeout_is_a_cancellation_point() {
+    use spindle_executor::sync::Semaphore;
+    watchdog("wait_timeout_is_a_cancellation_point", 60, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let gate = Arc::new(Semaphore::new(0));
+        let g = gate.clone();
+        let blocked = exec.spawn(move || g.acquire());
+        let waiting = Flag::new();
+        let w = waiting.clone();
+        let waiter = exec.spawn(move || {
+            w.set();
+            blocked.wait_timeout(Duration::from_secs(600))
+        });
+        wait_for(&stage, "the waiter to wait", || waiting.is_set());
+        waiter.cancel();
+        stage.set("the cancelled waiter unwinds");
+        assert!(waiter.join().unwrap_err().is_cancelled());
+
+        stage.set("a fiber driven by hand");
+        let g = gate.clone();
+        let blocked = exec.spawn(move || g.acquire());
+        let fiber = spindle_fiber::Fiber::new(spindle_fiber::FiberAttr::new()).unwrap();
+        fiber
+            .set_function(spindle_fiber::Priority::NORMAL, move || {
+                blocked.wait_timeout(Duration::from_secs(600))
+            })
+            .unwrap();
+        match fiber.run() {
+            Ok(spindle_fiber::RunOutcome::Panicked(p)) => {
+                let msg = p.message().unwrap_or_default().to_owned();
+                assert!(msg.contains("outside an executor fiber"), "{msg}");
+            }
+            other => panic!("expected the panic, got {other:?}"),
+        }
+        gate.release(2);
     });
 }
