@@ -20,10 +20,13 @@ static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (J
 /// Dropping it shuts it down: workers and sysmon stop, fibers still queued
 /// or asleep in the executor (in `sleep`, `join`, a yield) are unwound on
 /// their worker and their joins fail with [`JoinError::Cancelled`], and
-/// every thread is joined before `drop` returns. (Dropped on one of its own
-/// threads, inside one of its fibers or on its monitor thread by a panic
-/// payload's `Drop`, it cannot wait for that thread: the shutdown then runs on a
-/// thread of its own, and `drop` returns at once.) Fibers in an
+/// every thread is joined before `drop` returns. (Dropped on a worker or
+/// monitor thread of an executor, this one's or another's (inside a
+/// fiber, or by a panic payload's `Drop` on a monitor thread), it does
+/// not wait there: waiting could hold the very thread it waits for. The
+/// shutdown then runs on a thread of its own, and `drop` returns at once,
+/// with the executor already refusing spawns and cancelling its fibers.)
+/// Fibers in an
 /// interruptible wait on a `spindle-sync` primitive
 /// (`acquire_interruptible`, `lock_interruptible`, `pop_interruptible`) are interrupted and
 /// unwind at their next cancellation point. Fibers asleep in a plain wait
@@ -560,16 +563,27 @@ impl Drop for Executor {
     fn drop(&mut self) {
         let handle = self.handle.clone();
         let sysmon = self.sysmon.take();
-        let own_worker =
-            crate::worker::current_worker().is_some_and(|w| Arc::ptr_eq(&w.shared, &handle.shared));
-        match own_worker || crate::sysmon::is_sysmon_of(&handle.shared) {
+        // On a worker or the sysmon thread of any executor, this one's or
+        // another's.
+        let on_an_executor_thread =
+            crate::worker::current_worker().is_some() || crate::sysmon::is_any_sysmon();
+        match on_an_executor_thread {
             // Dropped on one of its own threads: inside one of its fibers,
             // whose worker cannot go quiet until the fiber suspends or
             // ends, or on its sysmon thread (a panic payload whose last
-            // reference a stale timer held), which the shutdown joins and which fires
-            // the timers it waits for. The shutdown is left to a thread of
-            // its own, and this returns.
+            // reference a stale timer held), which the shutdown joins and
+            // which fires the timers it waits for. Or on another
+            // executor's: waiting there would hold that worker (or its
+            // timers) until this executor is quiet, and this executor's
+            // fibers may need it, or, if one of them drops that other
+            // executor in turn, each shutdown waits for the other's only
+            // worker for good (found in review). The shutdown is left to a
+            // thread of its own, and this returns; the flag is set first,
+            // so that from now on spawns through a handle are cancelled
+            // and the fibers' cancellation points unwind them, as the docs
+            // say of a dropped executor.
             true => {
+                handle.shared.shutdown.store(true, Ordering::SeqCst);
                 let spawned = std::thread::Builder::new()
                     .name("spindle-shutdown".into())
                     .spawn(move || shut_down(handle, sysmon));

@@ -40,11 +40,12 @@ std::thread_local! {
     static SYSMON_OF: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
 }
 
-/// Whether the calling thread is the sysmon thread of `shared`'s executor:
-/// a panic payload dropped there (the last reference of a stale timer)
-/// may drop the `Executor` itself, whose shutdown must then not join this thread.
-pub(crate) fn is_sysmon_of(shared: &Shared) -> bool {
-    SYSMON_OF.with(|s| std::ptr::eq(s.get(), shared))
+/// Whether the calling thread is the sysmon thread of an executor: a
+/// panic payload dropped there (the last reference of a stale timer) may
+/// drop an `Executor`, this one or another, whose shutdown must then not
+/// wait on this thread.
+pub(crate) fn is_any_sysmon() -> bool {
+    SYSMON_OF.with(|s| !s.get().is_null())
 }
 
 pub(crate) fn run(shared: Arc<Shared>, parker: Parker) {

@@ -1239,3 +1239,64 @@ fn a_panicking_payload_of_a_fiber_finished_in_the_drain_is_contained() {
         assert!(matches!(d.join(), Err(spindle_executor::JoinError::Cancelled { .. })));
     });
 }
+
+/// Two executors, each dropped inside a fiber of the other: A's fiber
+/// drops B, whose shutdown unwinds B's fiber holding the last `Executor`
+/// A. Each shutdown ran on the other's only worker and waited for the
+/// other's worker to go quiet, for good (found in review). A drop on any
+/// executor's worker now hands the shutdown to a thread of its own.
+#[test]
+fn executors_dropped_inside_each_others_fibers_shut_down() {
+    watchdog("executors_dropped_inside_each_others_fibers_shut_down", 60, |stage| {
+        let a = Executor::builder().workers(1).max_workers(1).build();
+        let b = Executor::builder().workers(1).max_workers(1).build();
+        let ha = a.handle();
+        let started = Flag::new();
+        let s = started.clone();
+        // B's fiber owns A; B's shutdown unwinds it (sleep is a
+        // cancellation point), which drops A on B's worker.
+        let b_fiber = b.spawn(move || {
+            let _a = a;
+            s.set();
+            sleep(Duration::from_secs(600));
+        });
+        wait_for(&stage, "B's fiber to hold A", || started.is_set());
+        stage.set("a fiber of A drops B");
+        let dropper = ha.spawn(move || {
+            drop(b);
+            1u8
+        });
+        assert_eq!(dropper.join().unwrap(), 1);
+        stage.set("B's fiber is cancelled");
+        assert!(b_fiber.join().unwrap_err().is_cancelled());
+    });
+}
+
+/// An executor dropped inside one of its own fibers refuses spawns from
+/// the moment `drop` returns, as the docs say of a dropped executor (the
+/// shutdown thread set the flag a little later, and spawns in between ran:
+/// found in review, 165 of 200 rounds).
+#[test]
+fn spawns_after_an_in_fiber_drop_are_cancelled() {
+    watchdog("spawns_after_an_in_fiber_drop_are_cancelled", 60, |stage| {
+        for round in 0..50 {
+            stage.set(format!("round {round}"));
+            let exec = Executor::builder().workers(1).build();
+            let handle = exec.handle();
+            let slot = Arc::new(parking_lot::Mutex::new(Some(exec)));
+            let (s, h) = (slot.clone(), handle.clone());
+            let ran = Flag::new();
+            let r = ran.clone();
+            let dropper = handle.spawn(move || {
+                drop(s.lock().take());
+                h.spawn(move || r.set()).join().map_err(|e| e.is_cancelled())
+            });
+            match dropper.join() {
+                Ok(late) => assert_eq!(late, Err(true), "round {round}: the late spawn's join"),
+                // Cancelled itself first (the shutdown is under way).
+                Err(e) => assert!(e.is_cancelled(), "round {round}: {e:?}"),
+            }
+            assert!(!ran.is_set(), "round {round}: a spawn made after the drop ran");
+        }
+    });
+}
