@@ -843,8 +843,11 @@ impl<T: Send> JoinHandle<T> {
     /// interruptible wait under [`interrupt_after`](crate::interrupt_after)
     /// (so another interrupt of the fiber ends it early too, and it is a
     /// cancellation point). A fiber waiting for its own task gets `false`
-    /// at once. Deadlock detection does not count a thread waiting here:
-    /// its wait ends by itself.
+    /// at once, and so does a wait that cannot sleep (in a fiber unwound
+    /// because it was dropped, or outside any fiber) on a worker of the
+    /// task's own executor while it shuts down, as `join` does there.
+    /// Deadlock detection does not count a thread waiting here: its wait
+    /// ends by itself.
     ///
     /// ```
     /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -894,6 +897,15 @@ impl<T: Send> JoinHandle<T> {
             let _ = crate::interrupt_after(timeout, || task.done.acquire_interruptible());
             // A cancel interrupts the wait: unwind now, as `join` does.
             crate::ops::check_cancel();
+        } else if crate::worker::current_worker().is_some_and(|w| {
+            Arc::ptr_eq(&w.shared, &self.shared) && w.shared.shutdown.load(Ordering::Acquire)
+        }) {
+            // As in `join`: a worker of the task's own executor, shutting
+            // down, in a fiber it unwinds because it was dropped (or
+            // outside any fiber). Waiting would hold the thread the
+            // shutdown needs to complete the task, for the whole timeout
+            // (for good with a long one: found in review).
+            return task.finished.load(Ordering::Acquire);
         } else {
             let _ = task.done.acquire_timeout(timeout);
         }

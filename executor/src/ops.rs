@@ -60,7 +60,7 @@ pub(crate) fn check_cancel() {
                 }
             }
             task.unwinding.store(true, Ordering::Relaxed);
-            std::panic::resume_unwind(Box::new(Cancelled));
+            spindle_fiber::resume_unwind(Box::new(Cancelled));
         }
     }
 }

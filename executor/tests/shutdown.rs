@@ -1300,3 +1300,56 @@ fn spawns_after_an_in_fiber_drop_are_cancelled() {
         }
     });
 }
+
+/// A fiber run by hand inside a task sleeps in a join, is let go of, and
+/// is woken on the only worker during the shutdown: its destructor then
+/// waits for a task that only that worker's final drain can complete.
+/// `join` returns `Cancelled` at once there; `wait_timeout` waited for the
+/// whole timeout and held the shutdown (found in review).
+#[test]
+fn a_wait_in_a_destructor_on_a_shutting_down_worker_does_not_hold_the_shutdown() {
+    use spindle_executor::JoinHandle;
+    use spindle_fiber::{Fiber, FiberAttr, RunOutcome};
+    for use_wait_timeout in [false, true] {
+        let name = "a_wait_in_a_destructor_on_a_shutting_down_worker_does_not_hold_the_shutdown";
+        watchdog(name, 60, move |stage| {
+            let exec = Executor::builder().workers(1).max_workers(1).build();
+            let gate = Arc::new(Semaphore::new(0));
+            let g = gate.clone();
+            let t2: JoinHandle<()> = exec.spawn(move || g.acquire());
+            let t1 = exec.spawn(|| sleep(Duration::from_secs(600)));
+            let waited = Flag::new();
+            struct WaitsInDrop(Option<JoinHandle<()>>, Flag, bool);
+            impl Drop for WaitsInDrop {
+                fn drop(&mut self) {
+                    let h = self.0.take().unwrap();
+                    if self.2 {
+                        assert!(!h.wait_timeout(Duration::from_secs(3600)));
+                    } else {
+                        assert!(h.join().unwrap_err().is_cancelled());
+                    }
+                    self.1.set();
+                }
+            }
+            let (w, asleep) = (waited.clone(), Flag::new());
+            let a = asleep.clone();
+            exec.spawn(move || {
+                let hand = Fiber::<()>::new(FiberAttr::new().name("hand")).unwrap();
+                hand.set_function(Priority::NORMAL, move || {
+                    let _w = WaitsInDrop(Some(t2), w, use_wait_timeout);
+                    let _ = t1.join();
+                })
+                .unwrap();
+                assert!(matches!(hand.run(), Ok(RunOutcome::Slept)));
+                a.set();
+            })
+            .join()
+            .unwrap();
+            assert!(asleep.is_set());
+            wait_for(&stage, "T2 at its gate", || gate.waiters() == 1);
+            stage.set(format!("dropping the executor (wait_timeout: {use_wait_timeout})"));
+            drop(exec);
+            assert!(waited.is_set(), "the destructor's wait returned");
+        });
+    }
+}

@@ -125,9 +125,11 @@ impl Panic {
         }
     }
 
-    /// Continues the unwind in the caller, as if the panic happened here.
+    /// Continues the unwind in the caller, as if the panic happened here
+    /// (through [`resume_unwind`](crate::resume_unwind), which notes the
+    /// unwind in a calling fiber).
     pub fn resume_unwind(self) -> ! {
-        std::panic::resume_unwind(self.payload)
+        crate::report::resume_unwind(self.payload)
     }
 }
 

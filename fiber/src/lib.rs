@@ -61,7 +61,9 @@
 //!   is panicking, then calls the hook that was installed before. The note
 //!   lets a fiber dropped while suspended inside its own panic's unwind (a
 //!   destructor that yields) be leaked instead of unwound a second time,
-//!   which would abort the process. A hook set later with
+//!   which would abort the process ([`resume_unwind`] notes an unwind
+//!   that no panic began, which `std::panic::resume_unwind` does not). A
+//!   hook set later with
 //!   [`std::panic::set_hook`] replaces it: reports then no longer name the
 //!   fiber, and such a drop aborts again. One that should keep both can
 //!   chain to [`std::panic::take_hook`]'s result. A hook set *before* the
@@ -105,7 +107,7 @@ pub use defer::defer_releases;
 pub use error::{FiberError, StackError};
 pub use fiber::{Fiber, FiberAttr, Panic, RunOutcome, Schedule, Woken};
 pub use header::{FiberId, FiberIdHasher, FiberStats, Priority, WaitReason};
-pub use report::leaked_stacks;
+pub use report::{leaked_stacks, resume_unwind};
 pub use stack::{
     FiberStack, StackPool, DEFAULT_POOL_CAPACITY, DEFAULT_STACK_SIZE, MAX_STACK_SIZE, MIN_STACK_SIZE,
 };

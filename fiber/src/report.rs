@@ -108,6 +108,46 @@ pub(crate) fn unwinding_current_for_drop() -> bool {
     dropping && !std::thread::panicking()
 }
 
+/// Starts an unwind with `payload`, as [`std::panic::resume_unwind`]
+/// does, and first notes, in a fiber, that the fiber's function is
+/// unwinding, as the crate's panic hook does for a `panic!` (which
+/// `std::panic::resume_unwind` does not call).
+///
+/// The note matters if a destructor yields during this unwind and the
+/// fiber is then dropped while suspended there: it is leaked instead of
+/// unwound a second time, which would abort the process (see
+/// [`Fiber`](crate::Fiber): do not suspend while
+/// `std::thread::panicking()`). [`Panic::resume_unwind`](crate::Panic::resume_unwind)
+/// starts its unwind this way; a fiber that passes a caught payload on
+/// should too.
+///
+/// ```
+/// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
+///
+/// let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
+/// fiber
+///     .set_function(Priority::NORMAL, || spindle_fiber::resume_unwind(Box::new("stop")))
+///     .unwrap();
+/// match fiber.run() {
+///     Ok(RunOutcome::Panicked(p)) => assert_eq!(p.message(), Some("stop")),
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+pub fn resume_unwind(payload: Box<dyn std::any::Any + Send>) -> ! {
+    // Under loom the current-fiber word is a loom thread-local, which code
+    // outside a model must not read.
+    #[cfg(not(loom))]
+    {
+        let h = crate::current::current_header();
+        // SAFETY: a non-null current fiber is the one running on this thread.
+        if let Some(h) = unsafe { h.as_ref() } {
+            h.panicked_on
+                .store(crate::tls::thread_id_word(), Ordering::Relaxed);
+        }
+    }
+    std::panic::resume_unwind(payload)
+}
+
 /// Installs (once) a panic hook that says which fiber panicked, then calls
 /// the hook that was installed before.
 pub(crate) fn install_panic_hook() {

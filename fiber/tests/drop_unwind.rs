@@ -1351,3 +1351,55 @@ fn a_fiber_that_caught_its_own_panic_is_unwound_when_dropped() {
         },
     );
 }
+
+const RESUMED_CHILD: &str = "an_unwind_started_by_resume_unwind_is_noted_too";
+
+/// `std::panic::resume_unwind` calls no panic hook, so an unwind it starts
+/// is not noted; the crate's `resume_unwind` and `Panic::resume_unwind`
+/// (a nested fiber's panic passed on) note it, and a fiber dropped while
+/// suspended in a yield inside that unwind is leaked, not force-unwound
+/// into an abort (found in review: both aborted). In a child process.
+#[test]
+fn an_unwind_started_by_resume_unwind_is_noted_too() {
+    struct YieldsOnDrop;
+    impl Drop for YieldsOnDrop {
+        fn drop(&mut self) {
+            yield_now();
+        }
+    }
+    if is_child(RESUMED_CHILD) {
+        no_core_dumps();
+        let before = leaked_stacks();
+        let direct = Fiber::<()>::new(FiberAttr::new().name("resumes")).unwrap();
+        direct
+            .set_function(Priority::NORMAL, || {
+                let _y = YieldsOnDrop;
+                spindle_fiber::resume_unwind(Box::new("no hook for this one"));
+            })
+            .unwrap();
+        assert!(matches!(direct.run(), Ok(RunOutcome::Yielded(0))));
+        drop(direct);
+        let outer = Fiber::<()>::new(FiberAttr::new().name("outer")).unwrap();
+        outer
+            .set_function(Priority::NORMAL, || {
+                let _y = YieldsOnDrop;
+                let inner = Fiber::<()>::new(FiberAttr::new().name("inner")).unwrap();
+                inner
+                    .set_function(Priority::NORMAL, || panic!("inner panics"))
+                    .unwrap();
+                match inner.run() {
+                    Ok(RunOutcome::Panicked(p)) => p.resume_unwind(),
+                    other => panic!("unexpected {other:?}"),
+                }
+            })
+            .unwrap();
+        assert!(matches!(outer.run(), Ok(RunOutcome::Yielded(0))));
+        drop(outer);
+        eprintln!("child leaked: {}", leaked_stacks() - before);
+        return;
+    }
+    let out = run_child(RESUMED_CHILD, 60);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(stderr.contains("child leaked: 2"), "{}", describe(&out));
+}
