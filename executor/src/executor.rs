@@ -590,7 +590,9 @@ impl Drop for Executor {
                 if let Err(e) = spawned {
                     warn!(
                         "spindle-executor: cannot start a thread to shut down the executor dropped \
-                         on one of its own threads ({e}); its threads are left running"
+                         on an executor's worker or monitor thread ({e}); its threads are left running \
+                         (spawns are refused and its fibers unwind at their cancellation points, but \
+                         nothing drains it)"
                     );
                 }
             }
@@ -786,7 +788,7 @@ impl<T: Send> JoinHandle<T> {
     /// Asks the fiber to stop: a job not started yet never runs (its
     /// closure is dropped); a started fiber unwinds (destructors run) at its
     /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
-    /// `yield_timeout`, `interrupt_after`, `join`, or `yield_if_needed` when
+    /// `yield_timeout`, `interrupt_after`, `join`, `wait_timeout`, or `yield_if_needed` when
     /// it yields), and
     /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
     /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once. One
@@ -877,8 +879,8 @@ impl<T: Send> JoinHandle<T> {
     ///
     /// In a fiber that is not an executor's (a fiber driven by hand or by
     /// a run queue: [`interrupt_after`](crate::interrupt_after) has no
-    /// clock there). A cancelled fiber unwinds here (a cancellation
-    /// point).
+    /// clock there). A cancelled fiber unwinds here unless the task has
+    /// finished already (a cancellation point).
     #[track_caller]
     pub fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
         let task = &self.task;
@@ -894,6 +896,13 @@ impl<T: Send> JoinHandle<T> {
         // `finished` is set before it is released, and `join` looks at that
         // first.
         if spindle_fiber::may_sleep() {
+            if crate::ops::current_task().is_none() {
+                panic!(
+                    "spindle_executor: JoinHandle::wait_timeout called in a fiber that is not an \
+                     executor's (driven by hand or by a run queue): nothing there keeps the time \
+                     for its deadline; poll is_finished, or wait on a thread"
+                );
+            }
             let _ = crate::interrupt_after(timeout, || task.done.acquire_interruptible());
             // A cancel interrupts the wait: unwind now, as `join` does.
             crate::ops::check_cancel();

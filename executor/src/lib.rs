@@ -46,13 +46,14 @@
 //! [`JoinHandle::cancel`] and shutdown are requests: the fiber unwinds at
 //! its next cancellation point, which is any of this crate's
 //! [`yield_now`], [`yield_if_needed`] (when it yields), [`sleep`],
-//! [`sleep_until`], [`yield_timeout`], [`interrupt_after`] and
-//! [`JoinHandle::join`]. The unwind
-//! is a panic with a private payload (`std::panic::resume_unwind`, so no
-//! panic message): destructors run, and the join reports
-//! [`JoinError::Cancelled`]. A `catch_unwind` in the fiber catches it too;
-//! code that catches panics should let it go on
-//! (`std::panic::resume_unwind`). Waits on `spindle-sync` primitives are not
+//! [`sleep_until`], [`yield_timeout`], [`interrupt_after`],
+//! [`JoinHandle::join`] and [`JoinHandle::wait_timeout`]. The unwind
+//! is a panic with a private payload (started with
+//! `spindle_fiber::resume_unwind`, so no panic message): destructors run,
+//! and the join reports [`JoinError::Cancelled`]. A `catch_unwind` in the
+//! fiber catches it too; code that catches panics should let it go on
+//! (`spindle_fiber::resume_unwind`, which notes the unwind for
+//! spindle-fiber; `std::panic::resume_unwind` does not). Waits on `spindle-sync` primitives are not
 //! cancellation points, but a cancel interrupts their interruptible forms
 //! (`Semaphore::acquire_interruptible`, `Mutex::lock_interruptible`,
 //! `Channel::pop_interruptible`): the wait returns `Err(Interrupted)`, and

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -286,7 +286,10 @@ where
     }
     std::mem::forget(unwinding);
     match result {
-        Err(payload) => resume_unwind(payload),
+        // Noted for spindle-fiber (the sleep above cleared the panic's
+        // mark): a destructor that yields in this unwind must not lead to
+        // an abort if the fiber is dropped there.
+        Err(payload) => spindle_fiber::resume_unwind(payload),
         Ok(_) if state.unwound.load(Ordering::Acquire) > 0 => {
             // A scope in a fiber that was cancelled, or whose executor is
             // shutting down (which cancels the scoped fibers too), ends as

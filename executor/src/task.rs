@@ -104,7 +104,9 @@ pub enum JoinError {
     },
     /// The fiber was cancelled ([`JoinHandle::cancel`](crate::JoinHandle::cancel) or executor shutdown)
     /// and unwound. (At shutdown, a fiber the final drain drops is unwound
-    /// just after its join is failed, before the executor's drop returns;
+    /// just after its join is failed, before the shutdown completes (before
+    /// the executor's drop returns, unless it was dropped on an executor's
+    /// thread, where the shutdown runs on a thread of its own);
     /// one asleep in a plain wait on a `spindle-sync` primitive is not
     /// unwound by the shutdown at all: see [`Executor`](crate::Executor).)
     Cancelled {

@@ -602,7 +602,7 @@ fn wait_timeout_is_a_cancellation_point() {
         match fiber.run() {
             Ok(spindle_fiber::RunOutcome::Panicked(p)) => {
                 let msg = p.message().unwrap_or_default().to_owned();
-                assert!(msg.contains("outside an executor fiber"), "{msg}");
+                assert!(msg.contains("in a fiber that is not an executor's"), "{msg}");
             }
             other => panic!("expected the panic, got {other:?}"),
         }

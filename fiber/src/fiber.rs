@@ -546,8 +546,13 @@ impl<T> Inner<T> {
 /// (DESIGN.md, "Known gaps", "Suspending while unwinding"). Such a fiber
 /// cannot be unwound by dropping it while it is suspended there (the
 /// second unwind would abort the process): its last handle's drop leaks
-/// its stack instead (counted by [`leaked_stacks`](crate::leaked_stacks)).
-/// Run it until its run returns [`RunOutcome::Panicked`] instead.
+/// its stack instead (counted by [`leaked_stacks`](crate::leaked_stacks)),
+/// as far as spindle can tell. It cannot if a panic hook set later
+/// replaced the crate's, or if the unwind was started with
+/// `std::panic::resume_unwind` rather than
+/// [`resume_unwind`](crate::resume_unwind): such a drop aborts the
+/// process. Run the fiber until its run returns [`RunOutcome::Panicked`]
+/// instead.
 ///
 /// ```compile_fail,E0277
 /// // Captured values must be Send: an Rc could be reached from two threads.

@@ -214,12 +214,12 @@ pub(crate) struct Header {
     pub(crate) slept_panicking: AtomicBool,
     /// The thread (its id word) on which a panic last began in the
     /// fiber's current function, or 0: written by the crate's panic hook as
-    /// the panic starts, cleared when the function ends, when it sleeps
+    /// the panic starts (if it was not replaced since) and by
+    /// `resume_unwind`, cleared when the function ends, when it sleeps
     /// while its thread is not panicking, and by `set_function`. Non-zero
     /// while the fiber is suspended means it may be suspended inside that
     /// panic's unwind (a destructor that yields), which `release` cannot
-    /// unwind again without aborting the process. Only ever set with the
-    /// hook installed and not replaced since (`report::install_panic_hook`).
+    /// unwind again without aborting the process.
     pub(crate) panicked_on: AtomicU64,
     /// Set once the fiber has lost its stack for good (its suspended
     /// function was unwound on drop while a destructor kept a reference,

@@ -69,7 +69,9 @@
 //!   chain to [`std::panic::take_hook`]'s result. A hook set *before* the
 //!   first fiber, one that prints nothing say, still gets that line in
 //!   front of it: to silence panics in fibers, set the hook after creating
-//!   the first fiber (and let fibers finish their unwinds).
+//!   the first fiber; that also drops the note above, so a fiber dropped
+//!   while suspended in its panic's unwind aborts the process again: run
+//!   such fibers to the end.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

@@ -63,12 +63,14 @@ pub(crate) fn warn_suspended_fiber_leaked(h: &Header) {
 /// Stacks leaked instead of unwound or reused: a suspended, pinned fiber
 /// dropped on another thread than the one it ran on (its locals could not
 /// be safely dropped there), a fiber dropped while asleep in a wait it
-/// began during an unwind, or suspended in a yield inside its own panic's
-/// unwind (unwinding it from there would abort), a forced unwind that did not finish (it
+/// began during an unwind, or suspended in a yield after a panic of its own
+/// began where spindle cannot tell that the unwind is over (on another
+/// thread, or on a thread that is panicking; unwinding it from inside the
+/// unwind would abort), a forced unwind that did not finish (it
 /// panicked, or suspended into a function that is over), and a closure
 /// that never ran whose drop panicked. The first suspended fiber leaked
-/// for want of a place to unwind it (the first case, or a build with
-/// `panic = "abort"`) is also reported on stderr, once per process.
+/// (any of the suspended-fiber cases, or a build with `panic = "abort"`)
+/// is also reported on stderr, once per process.
 pub fn leaked_stacks() -> u64 {
     LEAKED.load(Ordering::Relaxed)
 }

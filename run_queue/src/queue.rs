@@ -777,7 +777,8 @@ impl<T> Drop for RunQueue<T> {
     /// fiber released on another thread than its own leaks its stack (its
     /// locals are never dropped; `spindle_fiber::leaked_stacks` counts it),
     /// and a suspended migratable one is unwound on the releasing (or
-    /// waking) thread. If that thread is panicking (the last handle was
+    /// waking) thread (unless it may be suspended inside its own panic's
+    /// unwind: then it is leaked too). If that thread is panicking (the last handle was
     /// held by a fiber that is itself being unwound, say), a destructor of
     /// such a fiber that yields aborts the process: see
     /// [`yield_value`](spindle_fiber::yield_value). Drop the last handle

@@ -61,7 +61,8 @@
 //! `interrupt_after` gives them a timeout, and a scheduler or a timer of
 //! your own can interrupt them too. The plain `acquire`, `lock` and `pop`
 //! are not interrupted (an interrupt stays pending for the next
-//! interruptible wait). Threads are not interrupted. A fiber being dropped
+//! interruptible wait). Threads are not interrupted (they have timed waits
+//! instead, below). A fiber being dropped
 //! (a destructor run by the unwind of its suspended stack: `may_sleep()`
 //! is false in a fiber) does not wait in an interruptible wait at all: it
 //! takes what is there, else gets [`Interrupted`] at once.
@@ -75,11 +76,17 @@
 //! a channel by itself (there are no separate sender handles to count):
 //! the producer that is done says so.
 //!
-//! # What is not here
+//! # Timed waits (threads)
 //!
-//! No wait has a timeout of its own: a consumer that must give up after a
-//! while is interrupted by whoever keeps the time (`spindle-executor`'s
-//! `interrupt_after`), or polls with `try_pop`/`try_acquire`.
+//! [`Semaphore::acquire_timeout`] (`bool`), [`Mutex::lock_timeout`]
+//! (`Option` of the guard) and [`Channel::pop_timeout`] (and
+//! `RawChannel::pop_timeout`: [`TimedOut`], since `Ok(None)` already means
+//! closed) wait at most a given time on a thread; a timeout takes
+//! nothing. They panic in a fiber that may sleep: this crate has no clock
+//! to wake a sleeping fiber. In a fiber, put the interruptible wait under
+//! your scheduler's deadline, as with `spindle-executor`:
+//! `interrupt_after(d, || sem.acquire_interruptible()).is_ok()`; or poll
+//! with the `try_` methods.
 
 //! # Threads
 //!
