@@ -720,14 +720,12 @@ impl<T: Send> JoinHandle<T> {
         if !task.finished.load(Ordering::Acquire) {
             // The task's own fiber (an unfinished task's fiber runs nothing
             // else) would wait for itself: nothing else sees that.
-            if let Some(me) = spindle_fiber::current_id() {
-                if me.as_u64() == task.started_fiber.load(Ordering::Acquire) {
-                    // Still a cancellation point, as any join that would wait.
-                    if spindle_fiber::may_sleep() {
-                        crate::ops::check_cancel();
-                    }
-                    return Err(JoinError::JoinedItself { fiber: me, name: task.name.clone() });
+            if let Some(me) = self.waited_on_by_its_own_fiber() {
+                // Still a cancellation point, as any join that would wait.
+                if spindle_fiber::may_sleep() {
+                    crate::ops::check_cancel();
                 }
+                return Err(JoinError::JoinedItself { fiber: me, name: task.name.clone() });
             }
             // A fiber that may not sleep (its stack is being unwound after
             // it was dropped) waits as a thread does.
@@ -735,9 +733,7 @@ impl<T: Send> JoinHandle<T> {
                 crate::ops::check_cancel();
                 task.done.acquire_for(&JOINING);
                 crate::ops::check_cancel();
-            } else if crate::worker::current_worker().is_some_and(|w| {
-                Arc::ptr_eq(&w.shared, &self.shared) && w.shared.shutdown.load(Ordering::Acquire)
-            }) {
+            } else if self.on_its_executors_worker_shutting_down() {
                 // A worker of the task's own executor, shutting down, in a
                 // fiber it unwinds because it was dropped (or outside any
                 // fiber): waiting would block the thread that shutdown needs
@@ -887,10 +883,8 @@ impl<T: Send> JoinHandle<T> {
         if task.finished.load(Ordering::Acquire) {
             return true;
         }
-        if let Some(me) = spindle_fiber::current_id() {
-            if me.as_u64() == task.started_fiber.load(Ordering::Acquire) {
-                return false;
-            }
+        if self.waited_on_by_its_own_fiber().is_some() {
+            return false;
         }
         // The done token (taken once the task completes) is left taken:
         // `finished` is set before it is released, and `join` looks at that
@@ -906,9 +900,7 @@ impl<T: Send> JoinHandle<T> {
             let _ = crate::interrupt_after(timeout, || task.done.acquire_interruptible());
             // A cancel interrupts the wait: unwind now, as `join` does.
             crate::ops::check_cancel();
-        } else if crate::worker::current_worker().is_some_and(|w| {
-            Arc::ptr_eq(&w.shared, &self.shared) && w.shared.shutdown.load(Ordering::Acquire)
-        }) {
+        } else if self.on_its_executors_worker_shutting_down() {
             // As in `join`: a worker of the task's own executor, shutting
             // down, in a fiber it unwinds because it was dropped (or
             // outside any fiber). Waiting would hold the thread the
@@ -919,6 +911,23 @@ impl<T: Send> JoinHandle<T> {
             let _ = task.done.acquire_timeout(timeout);
         }
         task.finished.load(Ordering::Acquire)
+    }
+
+    /// The calling fiber, if it is the task's own (an unfinished task's
+    /// fiber runs nothing else): waiting for the task there would wait for
+    /// itself, which nothing else sees.
+    fn waited_on_by_its_own_fiber(&self) -> Option<FiberId> {
+        spindle_fiber::current_id()
+            .filter(|me| me.as_u64() == self.task.started_fiber.load(Ordering::Acquire))
+    }
+
+    /// Whether the caller runs on a worker of the task's own executor while
+    /// it shuts down: a wait there that cannot sleep would hold the thread
+    /// the shutdown needs to complete the task.
+    fn on_its_executors_worker_shutting_down(&self) -> bool {
+        crate::worker::current_worker().is_some_and(|w| {
+            Arc::ptr_eq(&w.shared, &self.shared) && w.shared.shutdown.load(Ordering::Acquire)
+        })
     }
 
     /// Whether the fiber has completed.

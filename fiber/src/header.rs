@@ -276,6 +276,14 @@ impl Header {
         on != 0 && (on != crate::tls::thread_id_word() || std::thread::panicking())
     }
 
+    /// Notes that a panic of the fiber's function began on this thread
+    /// (`panicked_on`): the panic hook, or `resume_unwind`, in the running
+    /// fiber.
+    pub(crate) fn note_panicking(&self) {
+        self.panicked_on
+            .store(crate::tls::thread_id_word(), Ordering::Relaxed);
+    }
+
     pub(crate) fn priority(&self) -> crate::Priority {
         crate::Priority(self.priority.load(Ordering::Relaxed))
     }

@@ -143,8 +143,7 @@ pub fn resume_unwind(payload: Box<dyn std::any::Any + Send>) -> ! {
         let h = crate::current::current_header();
         // SAFETY: a non-null current fiber is the one running on this thread.
         if let Some(h) = unsafe { h.as_ref() } {
-            h.panicked_on
-                .store(crate::tls::thread_id_word(), Ordering::Relaxed);
+            h.note_panicking();
         }
     }
     std::panic::resume_unwind(payload)
@@ -174,8 +173,7 @@ pub(crate) fn install_panic_hook() {
                 // Remembered for `release`: if the fiber suspends inside
                 // this panic's unwind (a destructor that yields) and is then
                 // dropped, unwinding it again would abort the process.
-                h.panicked_on
-                    .store(crate::tls::thread_id_word(), Ordering::Relaxed);
+                h.note_panicking();
                 // Not eprintln!: a failed write (a closed stderr pipe) must
                 // not panic inside the hook, which would abort the process.
                 use std::io::Write;
