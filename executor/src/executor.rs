@@ -879,6 +879,46 @@ impl<T: Send> JoinHandle<T> {
     /// finished already (a cancellation point).
     #[track_caller]
     pub fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
+        self.wait_for(Deadline::After(timeout))
+    }
+
+    /// Waits for the task until `deadline`: [`wait_timeout`](JoinHandle::wait_timeout)
+    /// with an instant instead of a duration. Whether the task has
+    /// finished. With a deadline already past, a thread only looks; a
+    /// fiber's wait ends at sysmon's next tick (as `interrupt_at` does).
+    ///
+    /// ```
+    /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+    /// #     std::thread::sleep(std::time::Duration::from_secs(60));
+    /// #     eprintln!("watchdog: this example did not finish within 60 s");
+    /// #     std::process::exit(1)
+    /// # });
+    /// use std::time::{Duration, Instant};
+    /// use spindle_executor::sync::Semaphore;
+    /// use spindle_executor::Executor;
+    /// use std::sync::Arc;
+    ///
+    /// let exec = Executor::builder().workers(1).build();
+    /// let gate = Arc::new(Semaphore::new(0));
+    /// let g = gate.clone();
+    /// let task = exec.spawn(move || g.acquire());
+    /// assert!(!task.wait_until(Instant::now() + Duration::from_millis(10)));
+    /// gate.release(1);
+    /// assert!(task.wait_until(Instant::now() + Duration::from_secs(30)));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// Where [`wait_timeout`](JoinHandle::wait_timeout) does; a cancellation
+    /// point as it is.
+    #[track_caller]
+    pub fn wait_until(&self, deadline: std::time::Instant) -> bool {
+        self.wait_for(Deadline::At(deadline))
+    }
+
+    /// `wait_timeout` and `wait_until`.
+    #[track_caller]
+    fn wait_for(&self, deadline: Deadline) -> bool {
         let task = &self.task;
         if task.finished.load(Ordering::Acquire) {
             return true;
@@ -892,12 +932,16 @@ impl<T: Send> JoinHandle<T> {
         if spindle_fiber::may_sleep() {
             if crate::ops::current_task().is_none() {
                 panic!(
-                    "spindle_executor: JoinHandle::wait_timeout called in a fiber that is not an \
+                    "spindle_executor: JoinHandle::wait_timeout/wait_until called in a fiber that is not an \
                      executor's (driven by hand or by a run queue): nothing there keeps the time \
                      for its deadline; poll is_finished, or wait on a thread"
                 );
             }
-            let _ = crate::interrupt_after(timeout, || task.done.acquire_interruptible());
+            let wait = || task.done.acquire_interruptible();
+            let _ = match deadline {
+                Deadline::After(timeout) => crate::interrupt_after(timeout, wait),
+                Deadline::At(at) => crate::interrupt_at(at, wait),
+            };
             // A cancel interrupts the wait: unwind now, as `join` does.
             crate::ops::check_cancel();
         } else if self.on_its_executors_worker_shutting_down() {
@@ -908,7 +952,10 @@ impl<T: Send> JoinHandle<T> {
             // (for good with a long one: found in review).
             return task.finished.load(Ordering::Acquire);
         } else {
-            let _ = task.done.acquire_timeout(timeout);
+            let _ = match deadline {
+                Deadline::After(timeout) => task.done.acquire_timeout(timeout),
+                Deadline::At(at) => task.done.acquire_until(at),
+            };
         }
         task.finished.load(Ordering::Acquire)
     }
@@ -942,6 +989,13 @@ impl<T: Send> JoinHandle<T> {
     pub fn fiber_id(&self) -> Option<FiberId> {
         FiberId::from_u64(self.task.started_fiber.load(Ordering::Acquire))
     }
+}
+
+/// The end of a `JoinHandle` wait: a duration from now or an instant.
+#[derive(Clone, Copy)]
+enum Deadline {
+    After(std::time::Duration),
+    At(std::time::Instant),
 }
 
 impl<T> fmt::Debug for JoinHandle<T> {

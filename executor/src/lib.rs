@@ -46,8 +46,9 @@
 //! [`JoinHandle::cancel`] and shutdown are requests: the fiber unwinds at
 //! its next cancellation point, which is any of this crate's
 //! [`yield_now`], [`yield_if_needed`] (when it yields), [`sleep`],
-//! [`sleep_until`], [`yield_timeout`], [`interrupt_after`],
-//! [`JoinHandle::join`] and [`JoinHandle::wait_timeout`]. The unwind
+//! [`sleep_until`], [`yield_timeout`], [`interrupt_after`], [`interrupt_at`],
+//! [`JoinHandle::join`], [`JoinHandle::wait_timeout`] and
+//! [`JoinHandle::wait_until`]. The unwind
 //! is a panic with a private payload (started with
 //! `spindle_fiber::resume_unwind`, so no panic message): destructors run,
 //! and the join reports [`JoinError::Cancelled`]. A `catch_unwind` in the
@@ -59,7 +60,7 @@
 //! `Channel::pop_interruptible`): the wait returns `Err(Interrupted)`, and
 //! the fiber unwinds at its next cancellation point. A fiber in a plain
 //! `acquire`, `lock` or `pop` keeps waiting.
-//! [`interrupt_after`] gives the same waits a timeout.
+//! [`interrupt_after`] and [`interrupt_at`] give the same waits a timeout.
 //!
 //! # Deadlock detection
 //!
@@ -173,7 +174,9 @@ mod worker;
 
 pub use config::{Builder, OnDeadlock, MAX_WORKERS};
 pub use executor::{Executor, ExecutorStats, Handle, JoinHandle, SpawnOptions};
-pub use ops::{interrupt_after, sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout};
+pub use ops::{
+    interrupt_after, interrupt_at, sleep, sleep_until, spawn, yield_if_needed, yield_now, yield_timeout,
+};
 pub use scope::{Scope, ScopedJoinHandle};
 pub use spindle_fiber::{FiberId, Priority};
 pub use task::{JoinError, PanicPayload};

@@ -328,14 +328,61 @@ fn timed_wait(deadline: Instant, reason: &'static WaitReason) -> Option<bool> {
 /// [`Mutex::lock_interruptible`]: spindle_sync::Mutex::lock_interruptible
 #[track_caller]
 pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
+    interrupt_with(|| deadline_after(d), "interrupt_after", f)
+}
+
+/// Runs `f` with a deadline at `deadline`: [`interrupt_after`] with an
+/// instant instead of a duration. Useful when several waits share one
+/// deadline. A deadline already past fires at sysmon's next tick, as one
+/// that passes while `f` runs does.
+///
+/// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
+/// use std::time::{Duration, Instant};
+/// use spindle_executor::{interrupt_at, Executor};
+/// use spindle_executor::sync::{Interrupted, Semaphore};
+///
+/// let exec = Executor::builder().workers(1).build();
+/// let got = exec
+///     .block_on(|| {
+///         let sem = Semaphore::new(1);
+///         let deadline = Instant::now() + Duration::from_millis(5);
+///         let first = interrupt_at(deadline, || sem.acquire_interruptible());
+///         let second = interrupt_at(deadline, || sem.acquire_interruptible()); // nobody releases
+///         (first, second)
+///     })
+///     .unwrap();
+/// assert_eq!(got, (Ok(()), Err(Interrupted)));
+/// ```
+///
+/// # Panics
+///
+/// Where [`interrupt_after`] does: outside a fiber of a `spindle-executor`
+/// executor, except in a fiber whose stack is being unwound because it
+/// was dropped, where `f` just runs.
+#[track_caller]
+pub fn interrupt_at<R>(deadline: Instant, f: impl FnOnce() -> R) -> R {
+    interrupt_with(|| deadline, "interrupt_at", f)
+}
+
+/// `interrupt_after` and `interrupt_at`: `deadline` is read once the
+/// caller is known to be an executor fiber; `what` names the function in
+/// the panic outside one.
+#[track_caller]
+fn interrupt_with<R>(deadline: impl FnOnce() -> Instant, what: &str, f: impl FnOnce() -> R) -> R {
     let Some((raw, w)) = current_task() else {
         if spindle_fiber::in_fiber() && !spindle_fiber::may_sleep() {
             return f();
         }
         panic!(
-            "spindle_executor::interrupt_after called outside an executor fiber: only a fiber's \
+            "spindle_executor::{what} called outside an executor fiber: only a fiber's \
              interruptible waits can be given a deadline (a thread has timed waits of its own: \
-             acquire_timeout, lock_timeout, pop_timeout, JoinHandle::wait_timeout)"
+             acquire_timeout, lock_timeout, pop_timeout, JoinHandle::wait_timeout and their \
+             _until forms)"
         );
     };
     // A cancellation point: a loop that retries a timed wait would
@@ -348,7 +395,7 @@ pub fn interrupt_after<R>(d: Duration, f: impl FnOnce() -> R) -> R {
         spindle_fiber::Waiter::current().map(|waiter| (waiter, task_ref)),
     ));
     let shared = &w.shared;
-    let key = shared.timers.add_interrupt(deadline_after(d), slot.clone());
+    let key = shared.timers.add_interrupt(deadline(), slot.clone());
     shared.sysmon_unparker.unpark();
 
     /// Disarms the deadline when `f` returns or unwinds.

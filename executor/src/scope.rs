@@ -152,6 +152,12 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
         self.inner.wait_timeout(timeout)
     }
 
+    /// Waits until `deadline` for the fiber; see [`JoinHandle::wait_until`].
+    #[track_caller]
+    pub fn wait_until(&self, deadline: std::time::Instant) -> bool {
+        self.inner.wait_until(deadline)
+    }
+
     /// Whether the fiber has completed.
     pub fn is_finished(&self) -> bool {
         self.inner.is_finished()

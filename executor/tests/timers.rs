@@ -609,3 +609,76 @@ fn wait_timeout_is_a_cancellation_point() {
         gate.release(2);
     });
 }
+
+/// `interrupt_at`: one deadline shared by two waits in a row. The first
+/// takes the token that is there, the second, which nobody ends, is
+/// interrupted once the deadline passes (not before it). On a thread it
+/// refuses as `interrupt_after` does, naming itself.
+#[test]
+fn interrupt_at_shares_one_deadline_between_waits() {
+    use spindle_executor::interrupt_at;
+    use spindle_sync::{Interrupted, Semaphore};
+    watchdog("interrupt_at_shares_one_deadline_between_waits", 30, |_| {
+        let exec = Executor::builder().workers(1).build();
+        let sem = Arc::new(Semaphore::new(1));
+        let s = Arc::clone(&sem);
+        let (deadline, first, second, ended) = exec
+            .block_on(move || {
+                let deadline = Instant::now() + Duration::from_millis(20);
+                let first = interrupt_at(deadline, || s.acquire_interruptible());
+                let second = interrupt_at(deadline, || s.acquire_interruptible());
+                (deadline, first, second, Instant::now())
+            })
+            .unwrap();
+        assert_eq!((first, second), (Ok(()), Err(Interrupted)));
+        assert!(ended >= deadline, "interrupted {:?} before its deadline", deadline - ended);
+        assert_eq!(sem.waiters(), 0);
+
+        let refused = std::panic::catch_unwind(|| interrupt_at(Instant::now(), || ()));
+        let msg = refused.expect_err("a thread cannot be interrupted");
+        let msg = msg.downcast_ref::<String>().map(String::as_str).unwrap_or_default();
+        assert!(msg.contains("interrupt_at called outside an executor fiber"), "{msg}");
+    });
+}
+
+/// `JoinHandle::wait_until` from a thread and from a fiber: false at a
+/// deadline passed while the task waits at its gate, true once it has
+/// completed; a deadline already past only looks on a thread.
+#[test]
+fn wait_until_reports_completion_from_threads_and_fibers() {
+    use spindle_executor::sync::Semaphore;
+    watchdog("wait_until_reports_completion_from_threads_and_fibers", 60, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        for in_fiber in [false, true] {
+            stage.set(format!("in a fiber: {in_fiber}"));
+            let gate = Arc::new(Semaphore::new(0));
+            let g = gate.clone();
+            let task = exec.spawn(move || {
+                g.acquire();
+                7u32
+            });
+            let check = move || {
+                let deadline = Instant::now() + Duration::from_millis(20);
+                let early = task.wait_until(deadline);
+                let ended = Instant::now();
+                gate.release(1);
+                let done = task.wait_until(Instant::now() + Duration::from_secs(60));
+                (early, ended >= deadline, done, task.join())
+            };
+            let (early, waited_out, done, value) =
+                if in_fiber { exec.block_on(check).unwrap() } else { check() };
+            assert!(!early, "in a fiber: {in_fiber}: the task was still at its gate");
+            assert!(waited_out, "in a fiber: {in_fiber}: returned before the deadline");
+            assert!(done, "in a fiber: {in_fiber}");
+            assert_eq!(value.unwrap(), 7);
+        }
+        stage.set("a deadline already past, on a thread");
+        let gate = Arc::new(Semaphore::new(0));
+        let g = gate.clone();
+        let task = exec.spawn(move || g.acquire());
+        assert!(!task.wait_until(Instant::now()));
+        gate.release(1);
+        assert!(task.wait_until(Instant::now() + Duration::from_secs(60)));
+        assert!(task.wait_until(Instant::now()), "finished: true whatever the deadline");
+    });
+}

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{thread_deadline, wait, Interrupted, TimedOut, WaitList, Wakeup};
+use crate::wait::{refuse_in_fiber, thread_deadline, wait, Interrupted, TimedOut, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a channel");
 
@@ -416,6 +416,23 @@ impl RawChannel {
     pub fn pop_timeout(&self, timeout: Duration) -> Result<Option<NonNull<MsgHeader>>, TimedOut> {
         let deadline = thread_deadline(timeout, "RawChannel::pop_timeout");
         self.pop_inner::<false>(deadline).map_err(|Interrupted| TimedOut)
+    }
+
+    /// Like [`pop_timeout`](RawChannel::pop_timeout), with a deadline
+    /// instead of a duration; see [`Channel::pop_until`].
+    ///
+    /// # Errors
+    ///
+    /// [`TimedOut`] if no message came (and the channel did not close) by
+    /// `deadline`.
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as [`Channel::pop_timeout`].
+    #[track_caller]
+    pub fn pop_until(&self, deadline: Instant) -> Result<Option<NonNull<MsgHeader>>, TimedOut> {
+        refuse_in_fiber("RawChannel::pop_until");
+        self.pop_inner::<false>(Some(deadline)).map_err(|Interrupted| TimedOut)
     }
 
     #[track_caller]
@@ -876,6 +893,39 @@ impl<T> Channel<T> {
     pub fn pop_timeout(&self, timeout: Duration) -> Result<Option<Msg<T>>, TimedOut> {
         let deadline = thread_deadline(timeout, "Channel::pop_timeout");
         match self.raw.pop_inner::<false>(deadline) {
+            // SAFETY: as in `pop`.
+            Ok(h) => Ok(h.map(|h| unsafe { Msg::from_header(h) })),
+            Err(Interrupted) => Err(TimedOut),
+        }
+    }
+
+    /// Like [`pop_timeout`](Channel::pop_timeout), with a deadline instead
+    /// of a duration. A deadline already past still takes a message that
+    /// is there now (and `Ok(None)` from a closed, empty channel).
+    ///
+    /// ```
+    /// use spindle_sync::{Channel, Msg, TimedOut};
+    /// use std::time::{Duration, Instant};
+    ///
+    /// let chan = Channel::new();
+    /// let deadline = Instant::now() + Duration::from_millis(10);
+    /// assert_eq!(chan.pop_until(deadline).map(|m| m.map(Msg::into_inner)), Err(TimedOut));
+    /// chan.push(Msg::new(7)).unwrap();
+    /// assert_eq!(chan.pop_until(deadline).map(|m| m.map(Msg::into_inner)), Ok(Some(7)));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`TimedOut`] if no message came (and the channel did not close) by
+    /// `deadline`.
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as [`pop_timeout`](Channel::pop_timeout).
+    #[track_caller]
+    pub fn pop_until(&self, deadline: Instant) -> Result<Option<Msg<T>>, TimedOut> {
+        refuse_in_fiber("Channel::pop_until");
+        match self.raw.pop_inner::<false>(Some(deadline)) {
             // SAFETY: as in `pop`.
             Ok(h) => Ok(h.map(|h| unsafe { Msg::from_header(h) })),
             Err(Interrupted) => Err(TimedOut),

@@ -82,7 +82,9 @@
 //! (`Option` of the guard) and [`Channel::pop_timeout`] (and
 //! `RawChannel::pop_timeout`: [`TimedOut`], since `Ok(None)` already means
 //! closed) wait at most a given time on a thread; a timeout takes
-//! nothing. They panic in a fiber that may sleep: this crate has no clock
+//! nothing. Each has a form with a deadline instead of a duration
+//! ([`Semaphore::acquire_until`], [`Mutex::lock_until`],
+//! [`Channel::pop_until`]), for waits that share one deadline. They panic in a fiber that may sleep: this crate has no clock
 //! to wake a sleeping fiber. In a fiber, put the interruptible wait under
 //! your scheduler's deadline, as with `spindle-executor`:
 //! `interrupt_after(d, || sem.acquire_interruptible()).is_ok()`; or poll

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use spindle_fiber::WaitReason;
 
-use crate::wait::{thread_deadline, wait, Interrupted, WaitList, Wakeup};
+use crate::wait::{refuse_in_fiber, thread_deadline, wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a mutex");
 
@@ -308,6 +308,39 @@ impl<T: ?Sized> Mutex<T> {
         let deadline = thread_deadline(timeout, "Mutex::lock_timeout");
         if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err()
             && self.lock_slow::<false>(deadline).is_err()
+        {
+            return None;
+        }
+        Some(MutexGuard { mutex: self })
+    }
+
+    /// Like [`lock_timeout`](Mutex::lock_timeout), with a deadline instead
+    /// of a duration: `None` if the lock did not come by `deadline`. A
+    /// deadline already past still takes a lock that is free now.
+    ///
+    /// ```
+    /// use spindle_sync::Mutex;
+    /// use std::time::{Duration, Instant};
+    ///
+    /// let mutex = Mutex::new(0);
+    /// let guard = mutex.lock();
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| assert!(mutex.lock_until(Instant::now() + Duration::from_millis(10)).is_none()));
+    /// });
+    /// drop(guard);
+    /// assert!(mutex.lock_until(Instant::now()).is_some());
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as
+    /// [`lock_timeout`](Mutex::lock_timeout).
+    #[track_caller]
+    #[must_use = "the wait may time out, and the lock is released when the guard is dropped"]
+    pub fn lock_until(&self, deadline: Instant) -> Option<MutexGuard<'_, T>> {
+        refuse_in_fiber("Mutex::lock_until");
+        if self.state.compare_exchange(0, LOCKED, Ordering::Acquire, Ordering::Relaxed).is_err()
+            && self.lock_slow::<false>(Some(deadline)).is_err()
         {
             return None;
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use spindle_fiber::{Priority, WaitReason};
 
-use crate::wait::{thread_deadline, wait, Interrupted, WaitList, Wakeup};
+use crate::wait::{refuse_in_fiber, thread_deadline, wait, Interrupted, WaitList, Wakeup};
 
 static WAIT_REASON: WaitReason = WaitReason("a semaphore");
 
@@ -244,6 +244,35 @@ impl Semaphore {
     pub fn acquire_timeout(&self, timeout: Duration) -> bool {
         let deadline = thread_deadline(timeout, "Semaphore::acquire_timeout");
         self.acquire_inner::<false>(None, &WAIT_REASON, deadline).is_ok()
+    }
+
+    /// Like [`acquire_timeout`](Semaphore::acquire_timeout), with a
+    /// deadline instead of a duration: whether it took a token by
+    /// `deadline`. A deadline already past still takes a token that is
+    /// there now.
+    ///
+    /// ```
+    /// use spindle_sync::Semaphore;
+    /// use std::time::{Duration, Instant};
+    ///
+    /// let sem = Semaphore::new(1);
+    /// let deadline = Instant::now() + Duration::from_millis(10);
+    /// assert!(sem.acquire_until(deadline)); // one there
+    /// assert!(!sem.acquire_until(deadline)); // none comes
+    /// let past = Instant::now();
+    /// sem.release(1);
+    /// assert!(sem.acquire_until(past), "a token there now is taken, the deadline past or not");
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber (one that may sleep), as
+    /// [`acquire_timeout`](Semaphore::acquire_timeout).
+    #[track_caller]
+    #[must_use = "the wait may time out; check whether a token was taken"]
+    pub fn acquire_until(&self, deadline: Instant) -> bool {
+        refuse_in_fiber("Semaphore::acquire_until");
+        self.acquire_inner::<false>(None, &WAIT_REASON, Some(deadline)).is_ok()
     }
 
     /// Takes a token if one is available now.

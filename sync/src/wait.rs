@@ -413,15 +413,22 @@ impl std::error::Error for TimedOut {}
 /// sleep: nothing in this crate could wake it at the deadline.
 #[track_caller]
 pub(crate) fn thread_deadline(timeout: std::time::Duration, what: &str) -> Option<Instant> {
+    refuse_in_fiber(what);
+    Instant::now().checked_add(timeout)
+}
+
+/// Panics, naming `what`, in a fiber that may sleep: a timed wait is for
+/// threads (nothing in this crate could wake a fiber at its deadline).
+#[track_caller]
+pub(crate) fn refuse_in_fiber(what: &str) {
     if spindle_fiber::may_sleep() {
         panic!(
             "spindle_sync: {what} called in a fiber: a sleeping fiber can only be woken at a deadline \
              by its scheduler's clock, which this crate does not have, so timed waits are for threads. \
              In a fiber, use the interruptible wait under your scheduler's deadline (spindle-executor: \
-             interrupt_after), or the try_ method in a loop of your own"
+             interrupt_after, interrupt_at), or the try_ method in a loop of your own"
         );
     }
-    Instant::now().checked_add(timeout)
 }
 
 /// Whether the caller runs on a fiber whose stack is being unwound because

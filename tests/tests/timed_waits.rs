@@ -1,5 +1,6 @@
 //! Timed waits of threads: `Semaphore::acquire_timeout`,
-//! `Mutex::lock_timeout`, `Channel::pop_timeout`. A wait that times out
+//! `Mutex::lock_timeout`, `Channel::pop_timeout`, and their `_until`
+//! forms (a deadline instead of a duration). A wait that times out
 //! takes nothing and leaves nothing behind; one handed what it waited for
 //! as the timeout passes keeps it; nothing is lost or taken twice when
 //! timeouts race releases, unlocks and pushes; in a fiber they panic with
@@ -269,5 +270,112 @@ fn a_timed_wait_in_a_fiber_panics_with_the_reason() {
             other => panic!("expected the panic, got {other:?}"),
         }
         assert_eq!(sem.waiters(), 0);
+    });
+}
+
+/// The `_until` forms: a deadline already past still takes what is there
+/// now and otherwise returns at once; a future one waits until it
+/// passes; a waker before it hands over what it waited for. One deadline
+/// serves several waits.
+#[test]
+fn until_forms_wait_until_the_deadline_and_take_what_is_there() {
+    watchdog("until_forms_wait_until_the_deadline_and_take_what_is_there", 30, |stage| {
+        stage.set("past deadlines");
+        let past = Instant::now();
+        let sem = Semaphore::new(1);
+        assert!(sem.acquire_until(past), "a token there now is taken");
+        assert!(!sem.acquire_until(past), "none there: at once");
+        let mutex = Mutex::new(5);
+        let guard = mutex.lock_until(past).expect("a free lock is taken");
+        std::thread::scope(|s| {
+            s.spawn(|| assert!(mutex.lock_until(past).is_none(), "held: at once"));
+        });
+        drop(guard);
+        let chan = Channel::new();
+        assert_eq!(chan.pop_until(past).map(|m| m.map(Msg::into_inner)), Err(TimedOut));
+        chan.push(Msg::new(3u32)).unwrap();
+        assert_eq!(chan.pop_until(past).map(|m| m.map(Msg::into_inner)), Ok(Some(3)));
+        assert_eq!((sem.waiters(), chan.receivers()), (0, 0), "nothing left behind");
+
+        stage.set("one future deadline shared by three waits");
+        let deadline = Instant::now() + SHORT;
+        assert!(!sem.acquire_until(deadline));
+        assert!(Instant::now() >= deadline, "the wait lasted until the deadline");
+        let guard = mutex.lock();
+        std::thread::scope(|s| {
+            s.spawn(|| assert!(mutex.lock_until(deadline).is_none(), "past by now"));
+        });
+        drop(guard);
+        assert_eq!(chan.pop_until(deadline).map(|m| m.map(Msg::into_inner)), Err(TimedOut));
+        assert_eq!((sem.waiters(), mutex.waiters(), chan.receivers()), (0, 0, 0));
+
+        stage.set("woken before the deadline");
+        let far = Instant::now() + LONG;
+        let sem = Arc::new(Semaphore::new(0));
+        let s = sem.clone();
+        let taker = std::thread::spawn(move || s.acquire_until(far));
+        spin_until(|| sem.waiters() == 1);
+        sem.release(1);
+        assert!(taker.join().unwrap(), "the token was handed over");
+
+        let mutex = Arc::new(Mutex::new(0));
+        let guard = mutex.lock();
+        let m = mutex.clone();
+        let locker = std::thread::spawn(move || m.lock_until(far).map(|mut g| std::mem::replace(&mut *g, 2)));
+        spin_until(|| mutex.waiters() == 1);
+        drop(guard);
+        assert_eq!(locker.join().unwrap(), Some(0), "the lock was handed over");
+        assert_eq!(*mutex.lock(), 2);
+
+        let chan = Arc::new(Channel::<u32>::new());
+        let c = chan.clone();
+        let rx = std::thread::spawn(move || c.pop_until(far).map(|m| m.map(Msg::into_inner)));
+        spin_until(|| chan.receivers() == 1);
+        chan.push(Msg::new(9)).unwrap();
+        assert_eq!(rx.join().unwrap(), Ok(Some(9)));
+    });
+}
+
+/// The `_until` forms panic in a fiber as the `_timeout` forms do, naming
+/// themselves.
+#[test]
+fn until_forms_in_a_fiber_panic_with_the_reason() {
+    watchdog("until_forms_in_a_fiber_panic_with_the_reason", 30, |_| {
+        let sem = Arc::new(Semaphore::new(0));
+        let mutex = Arc::new(Mutex::new(()));
+        let chan = Arc::new(Channel::<u32>::new());
+        let deadline = Instant::now() + SHORT;
+        type Wait = Box<dyn FnOnce() + Send>;
+        let waits: [(&str, Wait); 3] = [
+            ("Semaphore::acquire_until", {
+                let sem = sem.clone();
+                Box::new(move || {
+                    let _ = sem.acquire_until(deadline);
+                })
+            }),
+            ("Mutex::lock_until", {
+                let mutex = mutex.clone();
+                Box::new(move || drop(mutex.lock_until(deadline)))
+            }),
+            ("Channel::pop_until", {
+                let chan = chan.clone();
+                Box::new(move || drop(chan.pop_until(deadline)))
+            }),
+        ];
+        for (name, wait) in waits {
+            let f = fiber(Priority::NORMAL, wait);
+            match f.run() {
+                Ok(RunOutcome::Panicked(p)) => {
+                    let msg = p.message().unwrap_or_default().to_owned();
+                    assert!(
+                        msg.contains(&format!("{name} called in a fiber")) && msg.contains("interrupt_at"),
+                        "{name}: {msg}"
+                    );
+                }
+                other => panic!("{name}: expected the panic, got {other:?}"),
+            }
+        }
+        assert_eq!((sem.waiters(), mutex.waiters(), chan.receivers()), (0, 0, 0));
+        assert!(!mutex.is_locked());
     });
 }
