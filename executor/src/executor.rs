@@ -784,7 +784,8 @@ impl<T: Send> JoinHandle<T> {
     /// Asks the fiber to stop: a job not started yet never runs (its
     /// closure is dropped); a started fiber unwinds (destructors run) at its
     /// next executor suspension point (`yield_now`, `sleep`, `sleep_until`,
-    /// `yield_timeout`, `interrupt_after`, `join`, `wait_timeout`, or `yield_if_needed` when
+    /// `yield_timeout`, `interrupt_after`, `interrupt_at`, `join`, `wait_timeout`,
+    /// `wait_until`, or `yield_if_needed` when
     /// it yields), and
     /// [`join`](JoinHandle::join) then returns [`JoinError::Cancelled`]. A
     /// fiber asleep in `sleep`, `sleep_until` or `yield_timeout` is woken at once. One
