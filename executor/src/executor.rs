@@ -14,6 +14,8 @@ use crate::task::{JoinError, TaskCell, TaskRef};
 
 /// What a fiber blocked in [`JoinHandle::join`] waits on, in reports.
 static JOINING: spindle_fiber::WaitReason = spindle_fiber::WaitReason("a join (JoinHandle::join)");
+static WAITING_FOR_TASK: spindle_fiber::WaitReason =
+    spindle_fiber::WaitReason("a task (JoinHandle::wait_timeout or wait_until)");
 
 /// An M:N pool of worker threads running fibers.
 ///
@@ -938,7 +940,7 @@ impl<T: Send> JoinHandle<T> {
                      for its deadline; poll is_finished, or wait on a thread"
                 );
             }
-            let wait = || task.done.acquire_interruptible();
+            let wait = || task.done.acquire_interruptible_for(&WAITING_FOR_TASK);
             let _ = match deadline {
                 Deadline::After(timeout) => crate::interrupt_after(timeout, wait),
                 Deadline::At(at) => crate::interrupt_at(at, wait),

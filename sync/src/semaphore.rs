@@ -189,6 +189,35 @@ impl Semaphore {
         self.acquire_inner::<true>(None, &WAIT_REASON, None)
     }
 
+    /// Like [`acquire_interruptible`](Semaphore::acquire_interruptible),
+    /// naming what a fiber that has to wait is waiting for, as
+    /// [`acquire_for`](Semaphore::acquire_for) does.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome, WaitReason};
+    /// use spindle_sync::Semaphore;
+    /// use std::sync::Arc;
+    ///
+    /// static READY: WaitReason = WaitReason("the ready signal");
+    /// let sem = Arc::new(Semaphore::new(0));
+    /// let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// let s = sem.clone();
+    /// fiber.set_function(Priority::NORMAL, move || s.acquire_interruptible_for(&READY)).unwrap();
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Slept)));
+    /// assert_eq!(fiber.wait_site().unwrap().0, "the ready signal");
+    /// sem.release(1);
+    /// assert!(matches!(fiber.run(), Ok(RunOutcome::Returned(Ok(())))));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_interruptible`](Semaphore::acquire_interruptible).
+    #[track_caller]
+    #[inline]
+    pub fn acquire_interruptible_for(&self, reason: &'static WaitReason) -> Result<(), Interrupted> {
+        self.acquire_inner::<true>(None, reason, None)
+    }
+
     #[track_caller]
     #[inline]
     fn acquire_inner<const INTERRUPTIBLE: bool>(
