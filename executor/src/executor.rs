@@ -608,7 +608,8 @@ impl Drop for Executor {
 pub struct ExecutorStats {
     /// Fibers spawned.
     pub spawned: u64,
-    /// Fibers completed (returned, panicked or cancelled).
+    /// Fibers completed (returned, panicked or cancelled), and jobs that
+    /// never started for want of a stack ([`JoinError::NoStack`]).
     pub completed: u64,
     /// Of those, cancelled.
     pub cancelled: u64,

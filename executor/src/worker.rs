@@ -608,9 +608,11 @@ impl Worker {
             me.inbox.parked.store(false, Ordering::SeqCst);
             return;
         }
-        WorkerCounters::bump(&me.hot.counters.parks);
-        crate::trace_event!(worker = self.ctx.index, "park");
         let i = self.ctx.index;
+        let counted_park = || {
+            WorkerCounters::bump(&me.hot.counters.parks);
+            crate::trace_event!(worker = i, "park");
+        };
         // Extra workers retire from the top (LIFO), once idle for
         // `idle_retire`: only the highest active one waits with a timeout.
         // The others park until woken, by work or by the retirement of the
@@ -625,7 +627,10 @@ impl Worker {
             && !shared.shutdown.load(Ordering::Relaxed);
         if retiring {
             let left = shared.config.idle_retire.saturating_sub(since.elapsed());
+            // Idle long enough already: no park (and none counted), on to
+            // the retirement.
             if !left.is_zero() {
+                counted_park();
                 parker.park_timeout(left);
             }
             if me.inbox.parked.swap(false, Ordering::SeqCst) {
@@ -641,6 +646,7 @@ impl Worker {
                 }
             }
         } else {
+            counted_park();
             parker.park();
             me.inbox.parked.store(false, Ordering::SeqCst);
         }
