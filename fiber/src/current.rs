@@ -451,7 +451,7 @@ impl Waiter {
     /// fiber to may: `spindle-run-queue` grows a priority level's buffer on
     /// its first use; and a refused wake, once a scheduler has shut down,
     /// may allocate this thread's list of deferred releases, see
-    /// [`defer_releases`](crate::defer_releases)), never panics. A wake that finds the
+    /// [`defer_releases`]), never panics. A wake that finds the
     /// fiber neither sleeping nor running (it was queued or made ready by
     /// another wake, or finished) is void. A stale waiter (a second waiter
     /// of one sleep, or one kept after the fiber moved on) that finds it

@@ -185,8 +185,9 @@ pub enum FiberError {
     Running(FiberId),
     /// `run` or `set_function` on a fiber that sits in a run queue.
     Queued(FiberId),
-    /// `run` of a fiber that sleeps on a synchronisation primitive
-    /// (`set_function` on it gives [`Busy`](FiberError::Busy): it is in
+    /// `run` of a fiber that sleeps (on a synchronisation primitive, or in
+    /// [`sleep`](crate::sleep) until its [`Waiter`](crate::Waiter) wakes
+    /// it; `set_function` on it gives [`Busy`](FiberError::Busy): it is in
     /// the middle of its function).
     Sleeping(FiberId),
     /// `mark_dequeued` on a fiber that is not in a queue.
@@ -235,8 +236,8 @@ impl fmt::Display for FiberError {
             ),
             FiberError::Sleeping(id) => write!(
                 f,
-                "fiber {id} is asleep on a synchronisation primitive: leave it until a wake makes \
-                 it runnable again (it is handed to its home scheduler, or left ready to run if it \
+                "fiber {id} is asleep (on a synchronisation primitive, or in sleep until its \
+                 Waiter wakes it): leave it until a wake makes it runnable again (it is handed to its home scheduler, or left ready to run if it \
                  has none), then run it"
             ),
             FiberError::NotQueued(id) => write!(

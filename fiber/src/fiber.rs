@@ -903,7 +903,7 @@ impl<T: Send + 'static> Fiber<T> {
     /// Runs the fiber on the calling thread until its next suspension point.
     ///
     /// Nesting is supported: a fiber may run another fiber; the inner one
-    /// suspends back into the outer one, and [`current`](crate::current) is
+    /// suspends back into the outer one, and [`current`](crate::current()) is
     /// right on both sides.
     ///
     /// Any handle may call `run`; a compare-and-swap on the fiber's state
@@ -1968,11 +1968,17 @@ impl<T> fmt::Debug for Fiber<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = self.header();
         let mut d = f.debug_struct("Fiber");
+        let state = h.state.load();
         d.field("id", &h.id)
             .field("name", &h.name)
-            .field("state", &h.state.load())
+            .field("state", &state)
             .field("priority", &h.priority())
             .field("stack_size", &h.stack_size);
+        if state == FiberState::Sleeping {
+            if let Some((what, at)) = h.wait_site() {
+                d.field("waits_on", &format_args!("{what} at {at}"));
+            }
+        }
         if h.stackless.load(Ordering::Relaxed) {
             // Its function was unwound on drop (NoStack): its stack went
             // back to the pool, or was leaked if the unwind could not end.

@@ -86,7 +86,9 @@ impl fmt::Display for FiberId {
 pub struct Priority(pub u8);
 
 impl Priority {
-    /// Runs before everything else.
+    /// The highest level (255): a run queue runs it before every lower
+    /// level. A scheduler may group levels into fewer classes (the
+    /// executor runs 192 and above as one class, FIFO within it).
     pub const HIGHEST: Priority = Priority(u8::MAX);
     /// Above the default (192).
     pub const HIGH: Priority = Priority(192);

@@ -84,6 +84,20 @@ fn debug_shows_the_name_id_and_state() {
 
     let attr = FiberAttr::new().name("attr-name");
     assert!(format!("{attr:?}").contains("attr-name"), "{attr:?}");
+
+    // A sleeping fiber shows what it waits on and where.
+    static GATE: spindle_fiber::WaitReason = spindle_fiber::WaitReason("the debug gate");
+    let sleeper = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    sleeper
+        .set_function(Priority::NORMAL, || spindle_fiber::sleep_on(&GATE))
+        .unwrap();
+    assert!(matches!(sleeper.run(), Ok(RunOutcome::Slept)));
+    let dbg = format!("{sleeper:?}");
+    assert!(
+        dbg.contains("Sleeping") && dbg.contains("waits_on: the debug gate at "),
+        "{dbg}"
+    );
+    assert!(dbg.contains(file!()), "{dbg}");
 }
 
 #[test]
