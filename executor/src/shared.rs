@@ -20,7 +20,10 @@
 //! 1. `parked = true` (SeqCst), then a SeqCst fence;
 //! 2. look at every queue it could take work from again (own inbox and fresh
 //!    queues, the global queue, other workers' fresh queues);
-//! 3. if anything is there, `parked = false` and go back to work;
+//! 3. if anything is there, `parked = false` and go back to work; (3b) an
+//!    active worker that sees no other worker searching and work pending
+//!    wakes one parked worker first (a spawn made while it still counted
+//!    as searching woke nobody, leaving the work to the searchers);
 //! 4. else park on its `Parker` (whose token makes an unpark that arrives
 //!    before the park not lost); on waking, `parked = false`.
 //!

@@ -606,6 +606,18 @@ impl Worker {
         std::sync::atomic::fence(Ordering::SeqCst);
         if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
             me.inbox.parked.store(false, Ordering::SeqCst);
+            // Worker step 3b: the work seen here was pushed while this
+            // worker still counted as searching, so its notifier woke
+            // nobody and left it to the searchers. With none left, this
+            // worker is the last: as a searcher that finds work with more
+            // pending does, wake one more, or a second job could wait
+            // behind a busy (or blocked) worker while another stays parked
+            // (found by a loom model in review: model 7). The count is 0
+            // while searching ends and parking has not begun; a worker
+            // still searching takes the baton otherwise.
+            if searching && shared.searching.load(Ordering::SeqCst) == 0 && shared.pending_work() {
+                shared.wake_one_parked();
+            }
             return;
         }
         let i = self.ctx.index;

@@ -88,6 +88,11 @@ enum Body {
     SpawnChildThenWait,
     /// Stays busy until every other job has run.
     WaitForOthers,
+    /// Spawns `WaitForOne` then `Plain` from the fiber (`push_local`),
+    /// then stays busy until every other job has run.
+    SpawnTwoThenWait,
+    /// Stays busy (blocks its worker) until one other job has completed.
+    WaitForOne,
 }
 
 /// `crossbeam_deque::Injector<Job>`, reduced to its indices.
@@ -266,6 +271,10 @@ struct World {
     /// Set just before shutdown wakes everyone (bookkeeping).
     shutting_down: StdAtomicBool,
     coverage: &'static Coverage,
+    /// Worker step 3b (a re-check that found work with no searcher left
+    /// wakes one more); `false` is the code before it, which model 7 must
+    /// catch.
+    step_3b: bool,
 }
 
 impl World {
@@ -292,6 +301,7 @@ impl World {
             total,
             shutting_down: StdAtomicBool::new(false),
             coverage,
+            step_3b: true,
         }
     }
 
@@ -535,6 +545,12 @@ impl Worker {
                 shared.wait_until_done(shared.total - 1);
             }
             Body::WaitForOthers => shared.wait_until_done(shared.total - 1),
+            Body::SpawnTwoThenWait => {
+                shared.push_local(self.index, Body::WaitForOne);
+                shared.push_local(self.index, Body::Plain);
+                shared.wait_until_done(shared.total - 1);
+            }
+            Body::WaitForOne => shared.wait_until_done(1),
         }
         shared.complete();
     }
@@ -562,6 +578,10 @@ impl Worker {
                 Coverage::note(&shared.coverage.recheck_found_work);
             }
             me.inbox.parked.store(false, Ordering::SeqCst);
+            // Step 3b.
+            if shared.step_3b && shared.searching.load(Ordering::SeqCst) == 0 && shared.pending_work() {
+                shared.wake_one_parked();
+            }
             return;
         }
         // `parks` counter, trace event: statistics.
@@ -792,4 +812,40 @@ fn a_scale_up_wakes_a_worker_that_parked_before_the_count_or_it_sees_it() {
 #[should_panic(expected = "deadlock")]
 fn without_the_wake_after_the_count_a_new_highest_can_park_for_good() {
     scale_up_hand_off(false);
+}
+
+/// Model 7 (from review): worker 0 runs a job that spawns two children
+/// from its fiber and stays busy until every other job has run; the first
+/// child blocks its worker until one job has completed, so the second
+/// must be run by the third worker. Both spawns can land while a worker
+/// still counts as searching (so they wake nobody) and after its search
+/// missed them; its re-check then finds them, and it takes the first as a
+/// non-searcher. Worker step 3b wakes one more worker there; without it
+/// the third worker stays parked for good (loom reports a deadlock).
+/// Three workers: one preemption below the others' bound, never below 2
+/// (at 3 it takes minutes; the case takes two).
+fn last_searcher_hand_off(step_3b: bool) {
+    let mut builder = loom::model::Builder::new();
+    let bound = builder.preemption_bound.unwrap_or(DEFAULT_PREEMPTIONS);
+    builder.preemption_bound = Some(bound.saturating_sub(1).max(2));
+    builder.check(move || {
+        static COVERAGE: Coverage = Coverage::new();
+        let mut world = World::new(3, 3, &COVERAGE);
+        world.step_3b = step_3b;
+        let world = Arc::new(world);
+        world.workers[0].fresh.push(Body::SpawnTwoThenWait);
+        let handles = start_workers(&world);
+        finish(&world, handles);
+    });
+}
+
+#[test]
+fn a_recheck_that_finds_work_with_no_searcher_left_wakes_one_more() {
+    last_searcher_hand_off(true);
+}
+
+#[test]
+#[should_panic(expected = "deadlock")]
+fn without_step_3b_a_spawned_job_can_wait_behind_a_blocked_worker_for_good() {
+    last_searcher_hand_off(false);
 }

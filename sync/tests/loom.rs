@@ -205,10 +205,13 @@ mod mutex_model {
         fn hand_on(&self, w: &mut VecDeque<Arc<Node>>) -> Option<Arc<Node>> {
             match w.pop_front() {
                 Some(node) => {
+                    // In the code's order: the wait list's `pop_front`
+                    // sets `done` (wait.rs), then `hand_on` stores the
+                    // state (mutex.rs).
+                    node.done.store(true, Ordering::Release);
                     if w.is_empty() {
                         self.state.store(LOCKED, Ordering::Relaxed);
                     }
-                    node.done.store(true, Ordering::Release);
                     Some(node)
                 }
                 None => {
