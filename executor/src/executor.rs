@@ -804,8 +804,8 @@ impl<T: Send> JoinHandle<T> {
     /// what it waits for: a fiber in a plain `pop` on a channel nobody
     /// pushes to is not stopped by a cancel. A loop that retries an
     /// interruptible wait after `Interrupted` must reach a cancellation
-    /// point (`yield_now`, or [`interrupt_after`](crate::interrupt_after),
-    /// which is one), or it spins once cancelled: every wait it makes then
+    /// point (`yield_now`, or [`interrupt_after`](crate::interrupt_after) or
+    /// [`interrupt_at`](crate::interrupt_at), which are ones), or it spins once cancelled: every wait it makes then
     /// returns at once.
     ///
     /// A request, not a guarantee: a fiber that has already finished, or
@@ -935,8 +935,12 @@ impl<T: Send> JoinHandle<T> {
         // first.
         if spindle_fiber::may_sleep() {
             if crate::ops::current_task().is_none() {
+                let what = match deadline {
+                    Deadline::After(_) => "wait_timeout",
+                    Deadline::At(_) => "wait_until",
+                };
                 panic!(
-                    "spindle_executor: JoinHandle::wait_timeout/wait_until called in a fiber that is not an \
+                    "spindle_executor: JoinHandle::{what} called in a fiber that is not an \
                      executor's (driven by hand or by a run queue): nothing there keeps the time \
                      for its deadline; poll is_finished, or wait on a thread"
                 );

@@ -606,17 +606,24 @@ impl Worker {
         std::sync::atomic::fence(Ordering::SeqCst);
         if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.ctx.index) {
             me.inbox.parked.store(false, Ordering::SeqCst);
-            // Worker step 3b: the work seen here was pushed while this
-            // worker still counted as searching, so its notifier woke
-            // nobody and left it to the searchers. With none left, this
-            // worker is the last: as a searcher that finds work with more
-            // pending does, wake one more, or a second job could wait
-            // behind a busy (or blocked) worker while another stays parked
-            // (found by a loom model in review: model 7). The count is 0
-            // while searching ends and parking has not begun; a worker
-            // still searching takes the baton otherwise.
-            if searching && shared.searching.load(Ordering::SeqCst) == 0 && shared.pending_work() {
-                shared.wake_one_parked();
+            // Worker step 3b: jobs seen here may have been spawned while
+            // this worker still counted as searching, so their notifiers
+            // woke nobody and left them to the searchers. Take one now and,
+            // with no searcher left and jobs still queued, wake one more,
+            // as the last searcher to find work does; else a second job
+            // could wait behind a busy (or blocked) worker while another
+            // stays parked (found by a loom model in review: model 7).
+            // Stealable work only: a woken fiber's inbox push wakes its
+            // owner itself, searchers or not. A worker still searching
+            // takes the baton otherwise.
+            if searching && !shared.exit.load(Ordering::Acquire) {
+                if let Some(n) = self.next() {
+                    if shared.searching.load(Ordering::SeqCst) == 0 && shared.stealable_work() {
+                        shared.wake_one_parked();
+                    }
+                    self.idle_since = None;
+                    self.run_one(n);
+                }
             }
             return;
         }

@@ -380,6 +380,11 @@ impl World {
         !self.global.is_empty() || self.workers.iter().enumerate().any(|(i, o)| i != me && o.has_fresh())
     }
 
+    /// `Shared::stealable_work`.
+    fn stealable_work(&self) -> bool {
+        !self.global.is_empty() || self.workers.iter().any(|w| w.has_fresh())
+    }
+
     /// `Shared::pending_work`.
     fn pending_work(&self) -> bool {
         !self.global.is_empty()
@@ -579,8 +584,13 @@ impl Worker {
             }
             me.inbox.parked.store(false, Ordering::SeqCst);
             // Step 3b.
-            if shared.step_3b && shared.searching.load(Ordering::SeqCst) == 0 && shared.pending_work() {
-                shared.wake_one_parked();
+            if shared.step_3b && !shared.exit.load(Ordering::Acquire) {
+                if let Some(n) = self.next() {
+                    if shared.searching.load(Ordering::SeqCst) == 0 && shared.stealable_work() {
+                        shared.wake_one_parked();
+                    }
+                    self.run_one(n);
+                }
             }
             return;
         }

@@ -682,3 +682,103 @@ fn wait_until_reports_completion_from_threads_and_fibers() {
         assert!(task.wait_until(Instant::now()), "finished: true whatever the deadline");
     });
 }
+
+/// `interrupt_at` with a deadline already past: a token there now is
+/// taken; with none, the wait is interrupted (at sysmon's next tick; the
+/// watchdog fails a wait that is never interrupted). (From a review.)
+#[test]
+fn interrupt_at_with_a_past_deadline_interrupts() {
+    watchdog("interrupt_at_with_a_past_deadline_interrupts", 30, |_| {
+        let exec = Executor::builder().workers(1).build();
+        let (first, second) = exec
+            .block_on(|| {
+                let sem = spindle_executor::sync::Semaphore::new(1);
+                let past = Instant::now();
+                let first = spindle_executor::interrupt_at(past, || sem.acquire_interruptible());
+                let second = spindle_executor::interrupt_at(past, || sem.acquire_interruptible());
+                (first, second)
+            })
+            .unwrap();
+        assert_eq!((first, second), (Ok(()), Err(spindle_executor::sync::Interrupted)));
+    });
+}
+
+/// `wait_until` is a cancellation point, and in a fiber driven by hand it
+/// panics naming itself (as `interrupt_at` and the sync `_until` forms do).
+#[test]
+fn wait_until_is_a_cancellation_point_and_names_itself_in_a_hand_driven_fiber() {
+    watchdog("wait_until_is_a_cancellation_point_and_names_itself_in_a_hand_driven_fiber", 60, |stage| {
+        let exec = Executor::builder().workers(2).build();
+        let gate = Arc::new(spindle_executor::sync::Semaphore::new(0));
+        let g = gate.clone();
+        let blocked = exec.spawn(move || g.acquire());
+        let waiting = Flag::new();
+        let w = waiting.clone();
+        let waiter = exec.spawn(move || {
+            w.set();
+            blocked.wait_until(Instant::now() + Duration::from_secs(600))
+        });
+        wait_for(&stage, "the waiter to wait", || waiting.is_set());
+        waiter.cancel();
+        stage.set("the cancelled waiter unwinds");
+        assert!(waiter.join().unwrap_err().is_cancelled());
+
+        stage.set("a fiber driven by hand");
+        let g = gate.clone();
+        let blocked = exec.spawn(move || g.acquire());
+        let fiber = spindle_fiber::Fiber::new(spindle_fiber::FiberAttr::new()).unwrap();
+        fiber
+            .set_function(spindle_fiber::Priority::NORMAL, move || {
+                blocked.wait_until(Instant::now() + Duration::from_secs(600))
+            })
+            .unwrap();
+        match fiber.run() {
+            Ok(spindle_fiber::RunOutcome::Panicked(p)) => {
+                let msg = p.message().unwrap_or_default().to_owned();
+                assert!(msg.contains("in a fiber that is not an executor's"), "{msg}");
+                assert!(msg.contains("wait_until"), "{msg}");
+            }
+            other => panic!("expected the panic, got {other:?}"),
+        }
+        gate.release(2);
+    });
+}
+
+/// `ScopedJoinHandle::wait_until`, from the scope's thread.
+#[test]
+fn scoped_wait_until_reports_completion() {
+    watchdog("scoped_wait_until_reports_completion", 30, |_| {
+        let exec = Executor::builder().workers(2).build();
+        let gate = spindle_executor::sync::Semaphore::new(0);
+        let (early, late) = exec.scope(|s| {
+            let h = s.spawn(|| gate.acquire());
+            let early = h.wait_until(Instant::now() + Duration::from_millis(20));
+            gate.release(1);
+            let late = h.wait_until(Instant::now() + Duration::from_secs(60));
+            (early, late)
+        });
+        assert!(!early && late);
+    });
+}
+
+/// `wait_until` from a fiber of another executor: that executor's clock
+/// ends the wait.
+#[test]
+fn wait_until_from_a_fiber_of_another_executor() {
+    watchdog("wait_until_from_a_fiber_of_another_executor", 30, |_| {
+        let a = Executor::builder().workers(1).build();
+        let b = Executor::builder().workers(1).build();
+        let gate = Arc::new(spindle_executor::sync::Semaphore::new(0));
+        let g = gate.clone();
+        let task = a.spawn(move || g.acquire());
+        let (early, waited) = b
+            .block_on(move || {
+                let deadline = Instant::now() + Duration::from_millis(20);
+                let early = task.wait_until(deadline);
+                (early, Instant::now() >= deadline)
+            })
+            .unwrap();
+        assert!(!early && waited);
+        gate.release(1);
+    });
+}

@@ -379,3 +379,75 @@ fn until_forms_in_a_fiber_panic_with_the_reason() {
         assert!(!mutex.is_locked());
     });
 }
+
+/// `RawChannel::pop_until`: a past deadline with nothing there, a header
+/// there now, a future deadline that passes, a closed channel, and the
+/// panic naming it in a fiber. (From a review.)
+#[test]
+fn raw_pop_until_times_out_takes_and_panics_in_a_fiber() {
+    watchdog("raw_pop_until_times_out_takes_and_panics_in_a_fiber", 30, |_| {
+        let chan = spindle_sync::RawChannel::new();
+        let past = Instant::now();
+        assert_eq!(chan.pop_until(past), Err(TimedOut));
+        let mut buf = [0u8; 4];
+        let mut hdr = spindle_sync::MsgHeader::new(buf.as_mut_ptr(), buf.len());
+        let p = std::ptr::NonNull::from(&mut hdr);
+        // SAFETY: the header lives (unmoved) until popped below.
+        unsafe { chan.push(p).unwrap() };
+        assert_eq!(chan.pop_until(past), Ok(Some(p)));
+        let start = Instant::now();
+        assert_eq!(chan.pop_until(start + Duration::from_millis(20)), Err(TimedOut));
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        chan.close();
+        assert_eq!(chan.pop_until(past), Ok(None));
+
+        let chan = Arc::new(spindle_sync::RawChannel::new());
+        let c = chan.clone();
+        let f = fiber(Priority::NORMAL, move || {
+            let _ = c.pop_until(Instant::now() + Duration::from_millis(20));
+        });
+        match f.run() {
+            Ok(RunOutcome::Panicked(p)) => {
+                let msg = p.message().unwrap_or_default().to_owned();
+                assert!(msg.contains("RawChannel::pop_until called in a fiber"), "{msg}");
+            }
+            other => panic!("expected the panic, got {other:?}"),
+        }
+    });
+}
+
+/// The `_until` forms in the destructor of a fiber dropped while
+/// suspended (may_sleep false): allowed, they time out on the thread, as
+/// the `_timeout` forms do (timed_waits_in_a_dropped_fibers_destructor).
+/// (From a review.)
+#[test]
+fn until_forms_in_a_dropped_fibers_destructor() {
+    watchdog("until_forms_in_a_dropped_fibers_destructor", 60, |_| {
+        let sem = Arc::new(Semaphore::new(0));
+        let m = Arc::new(Mutex::new(()));
+        let chan = Arc::new(Channel::<u8>::new());
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        struct D(Arc<Semaphore>, Arc<Mutex<()>>, Arc<Channel<u8>>, Arc<std::sync::Mutex<Vec<String>>>);
+        impl Drop for D {
+            fn drop(&mut self) {
+                let d = Instant::now() + Duration::from_millis(10);
+                let a = self.0.acquire_until(d);
+                let g = self.1.lock_until(d).is_some();
+                let c = self.2.pop_until(d).map(|m| m.map(Msg::into_inner));
+                let late = Instant::now() >= d;
+                self.3.lock().unwrap().push(format!("{a} {g} {c:?} {late}"));
+            }
+        }
+        let held = m.lock();
+        let (s, mm, c, l) = (sem.clone(), m.clone(), chan.clone(), log.clone());
+        let f = fiber(Priority::NORMAL, move || {
+            let _d = D(s, mm, c, l);
+            spindle_fiber::yield_now();
+        });
+        assert!(matches!(f.run(), Ok(RunOutcome::Yielded(0))));
+        drop(f);
+        drop(held);
+        assert_eq!(*log.lock().unwrap(), vec!["false false Err(TimedOut) true".to_string()]);
+        assert_eq!((sem.waiters(), m.waiters(), chan.receivers()), (0, 0, 0));
+    });
+}
