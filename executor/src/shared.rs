@@ -25,7 +25,9 @@
 //!    wakes one parked worker first (a spawn made while it still counted
 //!    as searching woke nobody, leaving the work to the searchers);
 //! 4. else park on its `Parker` (whose token makes an unpark that arrives
-//!    before the park not lost); on waking, `parked = false`.
+//!    before the park not lost); on waking, `parked = false`, and the next
+//!    round searches (counted in `searching`), so that the wake is handed
+//!    on by the last-searcher rule (`Worker::main_loop`).
 //!
 //! Notifier (after pushing work):
 //! 1. push the fiber (the queue's own synchronisation);

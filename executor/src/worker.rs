@@ -174,6 +174,17 @@ impl Worker {
     }
 
     fn main_loop(&mut self, parker: &Parker) {
+        // Woken from a park last round: this round searches (counted in
+        // `searching`) rather than taking work straight from `next()`, so
+        // that finding it as the last searcher with more pending wakes one
+        // more (`idle`). A woken worker that took its job as a non-searcher
+        // ended the chain of wakes: work pushed while a worker searched
+        // (which woke nobody) got one wake from the last searcher (or step
+        // 3b) however much of it there was, and a spawn that woke its
+        // parked target woke nobody else even if a fiber woken into that
+        // worker's inbox then ran first and blocked it (found by loom
+        // models 8 and 9 in review).
+        let mut woken = false;
         loop {
             if self.shared().exit.load(Ordering::Acquire) {
                 return;
@@ -182,12 +193,16 @@ impl Worker {
             // its own, read by sysmon to spot a worker stuck in one fiber.
             let hot = &self.me().hot;
             hot.heartbeat.store(hot.heartbeat.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            match self.next() {
-                Some(n) => {
-                    self.idle_since = None;
-                    self.run_one(n)
+            if std::mem::take(&mut woken) {
+                woken = self.idle(parker);
+            } else {
+                match self.next() {
+                    Some(n) => {
+                        self.idle_since = None;
+                        self.run_one(n)
+                    }
+                    None => woken = self.idle(parker),
                 }
-                None => self.idle(parker),
             }
             // A job could not start for want of a stack, and this worker has
             // no started fiber of its own to run meanwhile (none resumed,
@@ -570,7 +585,10 @@ impl Worker {
         drop(task);
     }
 
-    fn idle(&mut self, parker: &Parker) {
+    /// Searches, then parks if nothing turns up; returns whether it parked
+    /// and is back (woken, or a retiring worker's countdown over without a
+    /// retirement): the next round then searches (`main_loop`).
+    fn idle(&mut self, parker: &Parker) -> bool {
         let shared = Arc::clone(&self.ctx.shared);
         // Only an active worker counts as searching: a retired one looks at
         // its own queues only, so a spawner that saw it searching and woke
@@ -589,7 +607,7 @@ impl Worker {
                 }
                 self.idle_since = None;
                 self.run_one(n);
-                return;
+                return false;
             }
             std::hint::spin_loop();
         }
@@ -625,7 +643,7 @@ impl Worker {
                     self.run_one(n);
                 }
             }
-            return;
+            return false;
         }
         let i = self.ctx.index;
         let counted_park = || {
@@ -657,17 +675,22 @@ impl Worker {
                 // spawn that found us parked-by-timeout and nobody
                 // searching woke nobody; the fence pairs with its own).
                 std::sync::atomic::fence(Ordering::SeqCst);
-                if !shared.work_visible(i) && self.try_retire() && i > shared.config.base_workers {
-                    // The next one down is the highest now: if it is idle,
-                    // it starts its own countdown (or retires at once if it
-                    // has been idle long enough).
-                    shared.workers[i - 1].notify();
+                if !shared.work_visible(i) && self.try_retire() {
+                    if i > shared.config.base_workers {
+                        // The next one down is the highest now: if it is idle,
+                        // it starts its own countdown (or retires at once if it
+                        // has been idle long enough).
+                        shared.workers[i - 1].notify();
+                    }
+                    return false;
                 }
             }
+            true
         } else {
             counted_park();
             parker.park();
             me.inbox.parked.store(false, Ordering::SeqCst);
+            true
         }
     }
 

@@ -55,12 +55,50 @@ use loom::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use loom::sync::{Condvar, Mutex};
 use loom::thread::{self, JoinHandle, Thread};
 
+/// with `LOOM_TRACE_EVENTS` set, the protocol's events of the
+/// execution under way, printed if it panics (loom's deadlock report).
+static EVENTS: StdMutex<Vec<String>> = StdMutex::new(Vec::new());
+
+fn tracing() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var_os("LOOM_TRACE_EVENTS").is_some();
+        if on {
+            let prev = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                let p = info.payload();
+                let msg = p.downcast_ref::<&str>().copied().or(p.downcast_ref::<String>().map(|s| &s[..]));
+                if !msg.is_some_and(|m| m.contains("deadlock")) {
+                    return prev(info);
+                }
+                eprintln!("events of the failing execution:");
+                for e in EVENTS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                    eprintln!("  {e}");
+                }
+                prev(info)
+            }));
+        }
+        on
+    })
+}
+
+fn ev(f: impl FnOnce() -> String) {
+    if tracing() {
+        EVENTS.lock().unwrap_or_else(|e| e.into_inner()).push(f());
+    }
+}
+
 /// When `LOOM_MAX_PREEMPTIONS` is not set.
 const DEFAULT_PREEMPTIONS: usize = 3;
 
 /// `worker.rs`: `SEARCH_ROUNDS` is 64. One round here: each round is one
 /// more `next()`, and the rounds' count plays no part in the protocol.
 const SEARCH_ROUNDS: u32 = 1;
+
+/// `worker.rs`: `SEARCH_ROUNDS`. The count itself plays no part, but its
+/// parity does: `next()` takes resumed fibers or fresh jobs first by the
+/// parity of `tick`, which the real search advances by 64 (from a review).
+const REAL_SEARCH_ROUNDS: u64 = 64;
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut builder = loom::model::Builder::new();
@@ -93,6 +131,12 @@ enum Body {
     SpawnTwoThenWait,
     /// Stays busy (blocks its worker) until one other job has completed.
     WaitForOne,
+    /// Spawns `WaitForOne`, `WaitForOne` then `Plain` from the fiber
+    /// (`push_local`), then stays busy until every other job has run: the
+    /// `Plain` one needs a fourth worker.
+    SpawnThreeThenWait,
+    /// Stays busy (blocks its worker) until `n` jobs have completed.
+    WaitFor(usize),
 }
 
 /// `crossbeam_deque::Injector<Job>`, reduced to its indices.
@@ -275,10 +319,19 @@ struct World {
     /// wakes one more); `false` is the code before it, which model 7 must
     /// catch.
     step_3b: bool,
+    /// A worker woken from its park searches (counts in `searching`) on its
+    /// next round, so that finding work as the last searcher with more
+    /// pending wakes one more (`Worker::main_loop`); `false` is the code
+    /// before that (a woken worker took work straight from `next()`), which
+    /// models 8 and 9 must catch.
+    woken_search: bool,
 }
 
 impl World {
     fn new(workers: usize, total: usize, coverage: &'static Coverage) -> World {
+        if tracing() {
+            EVENTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
         World {
             workers: (0..workers)
                 .map(|_| WorkerShared {
@@ -302,6 +355,7 @@ impl World {
             shutting_down: StdAtomicBool::new(false),
             coverage,
             step_3b: true,
+            woken_search: true,
         }
     }
 
@@ -318,6 +372,7 @@ impl World {
     fn notify(&self, i: usize) -> bool {
         let inbox = &self.workers[i].inbox;
         if inbox.parked.load(Ordering::SeqCst) && inbox.parked.swap(false, Ordering::SeqCst) {
+            ev(|| format!("notify: unpark worker {i}"));
             self.unpark(i);
             true
         } else {
@@ -332,6 +387,7 @@ impl World {
         queues.push_back(fiber);
         inbox.len.fetch_add(1, Ordering::SeqCst);
         drop(queues);
+        ev(|| format!("outside: wakes {fiber:?} into worker {i}'s inbox"));
         // `handoffs`: statistics.
         fence(Ordering::SeqCst);
         self.notify(i);
@@ -344,6 +400,7 @@ impl World {
         let w = &self.workers[i];
         w.fresh.push(job);
         fence(Ordering::SeqCst);
+        ev(|| format!("outside: push_fresh {job:?} to worker {i}"));
         if !self.notify(i) && self.searching.load(Ordering::SeqCst) == 0 {
             let woke = self.wake_one_parked();
             if woke {
@@ -356,7 +413,9 @@ impl World {
     fn push_local(&self, me: usize, job: Body) {
         self.workers[me].local.push(job);
         fence(Ordering::SeqCst);
-        if self.searching.load(Ordering::SeqCst) == 0 {
+        let searching = self.searching.load(Ordering::SeqCst);
+        ev(|| format!("worker {me}: push_local {job:?}, sees searching = {searching}"));
+        if searching == 0 {
             let woke = self.wake_one_parked();
             if woke {
                 Coverage::note(&self.coverage.woke_another);
@@ -474,14 +533,21 @@ impl Worker {
 
     /// `Worker::main_loop`.
     fn main_loop(&mut self) {
+        // Woken from a park on the last round.
+        let mut woken = false;
         loop {
             if self.shared.exit.load(Ordering::Acquire) {
                 return;
             }
             // Heartbeat: read by sysmon only.
+            if std::mem::take(&mut woken) && self.shared.woken_search {
+                // Straight into the search, as a searcher.
+                woken = self.idle();
+                continue;
+            }
             match self.next() {
                 Some(n) => self.run_one(n),
-                None => self.idle(),
+                None => woken = self.idle(),
             }
         }
     }
@@ -542,6 +608,7 @@ impl Worker {
         let body = match next {
             Next::Resumed(t) | Next::Fresh(t) => t,
         };
+        ev(|| format!("worker {}: runs {body:?}", self.index));
         let shared = &*self.shared;
         match body {
             Body::Plain => {}
@@ -556,29 +623,45 @@ impl Worker {
                 shared.wait_until_done(shared.total - 1);
             }
             Body::WaitForOne => shared.wait_until_done(1),
+            Body::WaitFor(n) => shared.wait_until_done(n),
+            Body::SpawnThreeThenWait => {
+                shared.push_local(self.index, Body::WaitForOne);
+                shared.push_local(self.index, Body::WaitForOne);
+                shared.push_local(self.index, Body::Plain);
+                shared.wait_until_done(shared.total - 1);
+            }
         }
         shared.complete();
     }
 
     /// `Worker::idle` for a base worker: search, then the parking protocol's
-    /// worker steps 1-4.
-    fn idle(&mut self) {
+    /// worker steps 1-4. Returns whether it parked (and was woken).
+    fn idle(&mut self) -> bool {
         let shared = Arc::clone(&self.shared);
+        let i = self.index;
         shared.searching.fetch_add(1, Ordering::SeqCst);
+        ev(|| format!("worker {i}: searching"));
         for _ in 0..SEARCH_ROUNDS {
             if let Some(n) = self.next() {
-                if shared.searching.fetch_sub(1, Ordering::SeqCst) == 1 && shared.pending_work() {
+                let last = shared.searching.fetch_sub(1, Ordering::SeqCst) == 1;
+                ev(|| format!("worker {i}: search found work, last searcher: {last}"));
+                if last && shared.pending_work() {
+                    ev(|| format!("worker {i}: more pending, wakes one"));
                     shared.wake_one_parked();
                 }
                 self.run_one(n);
-                return;
+                return false;
             }
         }
         shared.searching.fetch_sub(1, Ordering::SeqCst);
+        // The real search's other rounds (`tick` parity, see above).
+        self.tick += REAL_SEARCH_ROUNDS - SEARCH_ROUNDS as u64;
+        ev(|| format!("worker {i}: search found nothing, stops searching"));
 
         let me = &shared.workers[self.index];
         store_seq_cst(&me.inbox.parked, true);
         if shared.exit.load(Ordering::SeqCst) || shared.work_visible(self.index) {
+            ev(|| format!("worker {i}: re-check finds work"));
             if !shared.shutting_down.load(StdOrdering::Relaxed) {
                 Coverage::note(&shared.coverage.recheck_found_work);
             }
@@ -592,14 +675,17 @@ impl Worker {
                     self.run_one(n);
                 }
             }
-            return;
+            return false;
         }
         // `parks` counter, trace event: statistics.
+        ev(|| format!("worker {i}: parks"));
         thread::park();
+        ev(|| format!("worker {i}: unparked"));
         if !shared.shutting_down.load(StdOrdering::Relaxed) {
             Coverage::note(&shared.coverage.woken_by_notifier);
         }
         me.inbox.parked.store(false, Ordering::SeqCst);
+        true
     }
 }
 
@@ -858,4 +944,122 @@ fn a_recheck_that_finds_work_with_no_searcher_left_wakes_one_more() {
 #[should_panic(expected = "deadlock")]
 fn without_step_3b_a_spawned_job_can_wait_behind_a_blocked_worker_for_good() {
     last_searcher_hand_off(false);
+}
+
+/// a model at bound 2 at most (the bigger models below take
+/// minutes at 3).
+fn model_capped(f: impl Fn() + Sync + Send + 'static) {
+    model_capped_at(2, f)
+}
+
+fn model_capped_at(cap: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    let bound = builder.preemption_bound.unwrap_or(DEFAULT_PREEMPTIONS);
+    builder.preemption_bound = Some(bound.min(cap));
+    // Four workers make long executions.
+    builder.max_branches = 20_000;
+    builder.check(f);
+}
+
+/// Model 8 (from a review): the wake a last searcher hands on is not handed on
+/// again. Four workers; worker 0 runs a job that spawns three children from
+/// its fiber (`WaitForOne`, `WaitForOne`, `Plain`) and stays busy. Workers
+/// 2 and 3 park; worker 1 is searching while the three spawns land, so none
+/// wakes anyone. Its search takes the first child as the last searcher with
+/// more pending and wakes one parked worker (2), which, woken, takes the
+/// second child straight from `next()`, as a non-searcher: nobody wakes
+/// worker 3 for the third, and workers 0-2 are all blocked. (Loom finds
+/// it first through step 3b: worker 1's re-check finds all three, it wakes
+/// worker 2, which takes the second.) Bound 1 (`LOOM_M8_BOUND` to change):
+/// the case takes one preemption, and four workers take minutes at 2.
+fn woken_worker_hand_off(woken_search: bool) {
+    let cap = std::env::var("LOOM_M8_BOUND").ok().and_then(|b| b.parse().ok()).unwrap_or(1);
+    model_capped_at(cap, move || {
+        static COVERAGE: Coverage = Coverage::new();
+        let mut world = World::new(4, 4, &COVERAGE);
+        world.woken_search = woken_search;
+        let world = Arc::new(world);
+        // A started fiber pinned to worker 0 (woken into its inbox before
+        // the workers run), so that no other worker takes it.
+        world.schedule(0, Body::SpawnThreeThenWait);
+        let handles = start_workers(&world);
+        finish(&world, handles);
+    });
+}
+
+#[test]
+#[should_panic(expected = "deadlock")]
+fn without_the_woken_search_a_last_searchers_wake_is_not_handed_on() {
+    woken_worker_hand_off(false);
+}
+
+#[test]
+fn a_woken_worker_searches_and_hands_the_wake_on() {
+    woken_worker_hand_off(true);
+}
+
+/// Model 9 (from a review): a spawn from outside wakes its target, parked, and
+/// nobody else; a fiber pinned to that worker is woken into its inbox
+/// meanwhile, runs first (resumed fibers go first on odd ticks) and blocks
+/// the worker until the spawned job has completed. Three workers; worker 0
+/// has run one pinned fiber before (so that its tick is odd when it wakes,
+/// as in the code: one round with work, one without, 64 search rounds).
+/// Worker 1 or 2 must steal the job.
+fn woken_target_hand_off(woken_search: bool) {
+    model_capped(move || {
+        static COVERAGE: Coverage = Coverage::new();
+        let mut world = World::new(3, 3, &COVERAGE);
+        world.woken_search = woken_search;
+        let world = Arc::new(world);
+        world.schedule(0, Body::Plain);
+        let handles = start_workers(&world);
+        world.push_fresh(Body::Plain);
+        world.schedule(0, Body::WaitFor(2));
+        finish(&world, handles);
+    });
+}
+
+#[test]
+#[should_panic(expected = "deadlock")]
+fn without_the_woken_search_an_inbox_fiber_can_strand_a_spawn_on_its_blocked_target() {
+    woken_target_hand_off(false);
+}
+
+#[test]
+fn a_spawn_that_woke_its_target_reaches_another_worker_when_an_inbox_fiber_blocks_it() {
+    woken_target_hand_off(true);
+}
+
+/// Model 10 (from a review): spawns from outside against searchers' decrements
+/// and re-checks, with a blocked worker. Worker 0 runs a pinned fiber that
+/// stays busy until the rest has run; two spawns from outside land on
+/// worker 0 (`WaitForOne`, which then blocks whoever takes it) and worker 1
+/// (round-robin). Workers 1 and 2 must run both.
+#[test]
+fn spawns_from_outside_with_a_blocked_target_reach_the_free_workers() {
+    static COVERAGE: Coverage = Coverage::new();
+    model_capped(|| {
+        let world = Arc::new(World::new(3, 3, &COVERAGE));
+        world.schedule(0, Body::WaitForOthers);
+        let handles = start_workers(&world);
+        world.push_fresh(Body::WaitForOne);
+        world.push_fresh(Body::Plain);
+        finish(&world, handles);
+    });
+}
+
+/// Model 11 (from a review): two searchers end their search at once with two
+/// jobs pushed. Worker 0 runs a pinned fiber that spawns `WaitForOne` and
+/// `Plain` (`push_local`) and stays busy; workers 1 and 2 are both free to
+/// search, and the first child blocks whoever takes it. (Model 7 with the
+/// spawner pinned, so both other workers search from the start.)
+#[test]
+fn two_searchers_two_spawns_one_blocking() {
+    static COVERAGE: Coverage = Coverage::new();
+    model_capped(|| {
+        let world = Arc::new(World::new(3, 3, &COVERAGE));
+        world.schedule(0, Body::SpawnTwoThenWait);
+        let handles = start_workers(&world);
+        finish(&world, handles);
+    });
 }
