@@ -484,15 +484,17 @@ impl Worker {
                         });
                         self.shared().stats.stack_waits.fetch_add(1, Ordering::Relaxed);
                         self.shared().global[class_of(job.priority)].push(job);
-                        // Only active workers look at the global queue: a
-                        // retired one (which starts jobs from its own deque)
-                        // wakes one, as a spawn does. An active one comes
-                        // back to the job itself.
-                        if !self.me().active.load(Ordering::Relaxed) {
-                            std::sync::atomic::fence(Ordering::SeqCst);
-                            if self.shared().searching.load(Ordering::SeqCst) == 0 {
-                                self.shared().wake_one_parked();
-                            }
+                        // With no searcher left, wake one parked worker, as
+                        // a spawn does. A retired worker never looks at the
+                        // global queue. An active one comes back to the job
+                        // after its back-off, but only if it gets back to
+                        // its loop: a resumed fiber that then blocks its
+                        // thread would leave the job to parked workers that
+                        // nobody woke (found in review, the same class as
+                        // loom models 7-9).
+                        std::sync::atomic::fence(Ordering::SeqCst);
+                        if self.shared().searching.load(Ordering::SeqCst) == 0 {
+                            self.shared().wake_one_parked();
                         }
                         self.stack_backoff = true;
                         return None;
