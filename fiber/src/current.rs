@@ -81,6 +81,41 @@ fn assign_thread_id() -> u64 {
     id
 }
 
+/// A thread, as a fiber is pinned to it: [`Fiber::pin_to`] pins a
+/// function that has not run yet to the thread a token names, so that a
+/// scheduler with several threads (your own workers over one run queue)
+/// can spread pinned fibers over them instead of leaving each with
+/// whichever thread first ran it.
+///
+/// Tokens are process-unique and never reused: a token of a thread that
+/// has exited names no live thread, and a fiber pinned to it never runs
+/// (dropping it is fine: its function never started).
+///
+/// ```
+/// use spindle_fiber::ThreadToken;
+///
+/// let here = ThreadToken::current();
+/// assert_eq!(here, ThreadToken::current());
+/// let there = std::thread::spawn(ThreadToken::current).join().unwrap();
+/// assert_ne!(here, there);
+/// ```
+///
+/// [`Fiber::pin_to`]: crate::Fiber::pin_to
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ThreadToken(std::num::NonZeroU64);
+
+impl ThreadToken {
+    /// The calling thread's token.
+    pub fn current() -> ThreadToken {
+        ThreadToken(std::num::NonZeroU64::new(thread_id()).expect("thread ids are never 0"))
+    }
+
+    /// The raw id: the number spindle-fiber's thread checks compare.
+    pub(crate) fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
 /// Identity of the fiber running on this thread.
 ///
 /// ```

@@ -192,8 +192,17 @@ pub enum FiberError {
     Sleeping(FiberId),
     /// `mark_dequeued` on a fiber that is not in a queue.
     NotQueued(FiberId),
-    /// `run` of a pinned fiber on a thread other than the one it started on.
+    /// `run` of a pinned fiber on a thread other than the one it started on
+    /// (or, before its first run, the one [`Fiber::pin_to`](crate::Fiber::pin_to)
+    /// named).
     WrongThread(FiberId),
+    /// [`Fiber::pin_to`](crate::Fiber::pin_to) on a fiber whose function has
+    /// already run on another thread: it stays pinned there.
+    AlreadyStarted(FiberId),
+    /// [`Fiber::pin_to`](crate::Fiber::pin_to) on a fiber whose function was
+    /// set with [`set_function_migratable`](crate::Fiber::set_function_migratable):
+    /// it may run on any thread, and is not pinned.
+    Migratable(FiberId),
     /// `run` or `set_function` on a fiber that has no stack any more: it
     /// was dropped while suspended, and a destructor that ran during that
     /// unwind kept a reference to it (a `Waiter`), so its stack went back
@@ -246,8 +255,19 @@ impl fmt::Display for FiberError {
             ),
             FiberError::WrongThread(id) => write!(
                 f,
-                "fiber {id} is pinned to the thread it started on: run it there, or give it its \
-                 function with the unsafe set_function_migratable if that function is safe to move"
+                "fiber {id} is pinned to another thread (the one it started on, or the one pin_to \
+                 named): run it there, or give it its function with the unsafe \
+                 set_function_migratable if that function is safe to move"
+            ),
+            FiberError::AlreadyStarted(id) => write!(
+                f,
+                "fiber {id}'s function has already run on another thread and stays pinned there: \
+                 call pin_to after set_function and before the first run"
+            ),
+            FiberError::Migratable(id) => write!(
+                f,
+                "fiber {id}'s function was set with set_function_migratable and may run on any \
+                 thread: pin_to is for functions set with set_function"
             ),
             FiberError::NoStack(id) => write!(
                 f,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use corosensei::{Coroutine, CoroutineResult};
 
-use crate::current::{enter, enter_on_thread, exit, thread_id};
+use crate::current::{enter, enter_on_thread, exit, thread_id, ThreadToken};
 use crate::error::FiberError;
 use crate::header::{Counters, FiberId, FiberStats, Header, VTable};
 use crate::stack::{FiberStack, StackPool, DEFAULT_STACK_SIZE};
@@ -1085,7 +1085,11 @@ impl<T: Send + 'static> Fiber<T> {
         let slot = self.slot_ptr();
         // SAFETY: the caller holds the state `Running`, so the slot is ours.
         let (pin, migratable) = unsafe { ((*slot).pin, (*slot).migratable) };
-        if pin != NO_PIN && !migratable {
+        let me = thread_id();
+        // Refused: a pinned function off its thread, or a function pinned
+        // before its first run (`pin_to`) to another thread.
+        let pinned_before_start = h.pinned_to.load(Ordering::Relaxed);
+        if !migratable && (pin != NO_PIN || (pinned_before_start != 0 && pinned_before_start != me)) {
             // The claim made the fiber `Running` for a moment: a wake that
             // came meanwhile was deferred to this runner (`RunningWoken`).
             // The fiber did not run, so it is where it was: `Ready`, let go
@@ -1099,7 +1103,6 @@ impl<T: Send + 'static> Fiber<T> {
             }
             return ChangeThread::Refused;
         }
-        let me = thread_id();
         let last = h.last_thread.load(Ordering::Relaxed);
         if last != me {
             if last != 0 {
@@ -1507,6 +1510,68 @@ impl<T> Fiber<T> {
             0 => false,
             t => t == crate::tls::thread_id_word(),
         }
+    }
+
+    /// Pins the fiber's function, which has not run yet, to the thread
+    /// `thread` names: only that thread may run it, from its first run on,
+    /// as if that thread had run it first. A scheduler with several
+    /// threads uses it to spread pinned fibers over them (a run queue
+    /// hands the fiber only to that thread). Sound for any function set
+    /// with [`set_function`](Fiber::set_function): its captures are `Send`,
+    /// so it may start on any thread, and it then stays there.
+    ///
+    /// Pinning again before the first run moves the pin; a new
+    /// `set_function` clears it. Pinning a started function to the thread
+    /// it is pinned to already does nothing.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, FiberError, Priority, ThreadToken};
+    ///
+    /// let fiber = Fiber::<u32>::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || 7).unwrap();
+    /// let worker = std::thread::spawn(ThreadToken::current).join().unwrap();
+    /// fiber.pin_to(worker).unwrap();
+    /// assert!(!fiber.may_run_here());
+    /// assert!(matches!(fiber.run(), Err(FiberError::WrongThread(id)) if id == fiber.id()));
+    /// fiber.pin_to(ThreadToken::current()).unwrap();
+    /// assert_eq!(fiber.run().unwrap().unwrap_returned(), 7);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Nothing changes, and: [`AlreadyStarted`](FiberError::AlreadyStarted)
+    /// if the function has run on another thread (it stays there),
+    /// [`Migratable`](FiberError::Migratable) for a function set with
+    /// [`set_function_migratable`](Fiber::set_function_migratable) (it may
+    /// run anywhere), and as for [`run`](Fiber::run) a fiber with no
+    /// function, a finished one, or one that is not `Ready` (running,
+    /// queued, asleep).
+    pub fn pin_to(&self, thread: ThreadToken) -> Result<(), FiberError> {
+        let h = self.header();
+        h.state
+            .transition(FiberState::Ready, FiberState::Locked)
+            .map_err(|s| self.run_error(s))?;
+        // SAFETY: we hold the state `Locked`.
+        let slot = unsafe { self.slot() };
+        let result = if slot.migratable {
+            Err(FiberError::Migratable(h.id))
+        } else if slot.pin != NO_PIN {
+            // Started: pinned to `slot.pin` since its first run.
+            if slot.pin == thread.get() {
+                Ok(())
+            } else {
+                Err(FiberError::AlreadyStarted(h.id))
+            }
+        } else {
+            // Read by `change_thread` at the first run, and by
+            // `may_run_here` (published by the state store below).
+            h.pinned_to.store(thread.get(), Ordering::Relaxed);
+            Ok(())
+        };
+        // Still refused (no home taken): as in `set_home`.
+        // SAFETY: we hold it `Locked`, and it was `Ready`.
+        unsafe { self.let_go_ready() };
+        result
     }
 
     /// The fiber's process-unique id.

@@ -103,7 +103,8 @@ mod tls;
 
 pub use current::{
     current, current_id, current_sched_data, in_fiber, may_sleep, set_current_priority, sleep, sleep_on,
-    take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, WaitHook, WaitToken, Waiter,
+    take_interrupt, yield_now, yield_value, CurrentFiber, RefusedWake, ThreadToken, WaitHook, WaitToken,
+    Waiter,
 };
 pub use defer::defer_releases;
 pub use error::{FiberError, StackError};

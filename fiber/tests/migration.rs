@@ -11,7 +11,7 @@ use std::thread::{self, ThreadId};
 
 use spindle_fiber::{
     current, current_id, in_fiber, leaked_stacks, yield_value, Fiber, FiberAttr, FiberError, FiberId,
-    FiberState, Priority, RunOutcome,
+    FiberState, Priority, RunOutcome, ThreadToken,
 };
 
 /// The calling thread's id, read through a call that is not inlined into a
@@ -209,7 +209,10 @@ fn a_pinned_fiber_refuses_to_run_on_another_thread_and_still_works_on_its_own() 
             "a refused run left a fiber current"
         );
         let msg = err.to_string();
-        assert!(msg.contains("pinned to the thread it started on"), "{msg}");
+        assert!(
+            msg.contains("pinned to another thread (the one it started on"),
+            "{msg}"
+        );
         assert!(
             msg.contains("set_function_migratable"),
             "message says what to do: {msg}"
@@ -491,4 +494,119 @@ fn a_leaked_suspended_fiber_is_reported_once() {
         w.contains("own thread") && w.contains("set_function_migratable"),
         "{w}"
     );
+}
+
+/// What `runner_thread` gives: its token, where to send fibers, and where
+/// each comes back with its run's outcome.
+type Runner = (
+    ThreadToken,
+    mpsc::Sender<Fiber<ThreadId>>,
+    mpsc::Receiver<(Fiber<ThreadId>, String)>,
+);
+
+/// A thread that runs the fibers sent to it, once each, and sends back
+/// each run's outcome (the fiber with it), until the sender is dropped.
+fn runner_thread() -> Runner {
+    let (to_runner, inbox) = mpsc::channel::<Fiber<ThreadId>>();
+    let (outbox, from_runner) = mpsc::channel();
+    let (token_tx, token_rx) = mpsc::channel();
+    thread::spawn(move || {
+        token_tx.send(ThreadToken::current()).unwrap();
+        for fiber in inbox {
+            let outcome = format!("{:?}", fiber.run().map(|o| o.is_suspended()));
+            outbox.send((fiber, outcome)).unwrap();
+        }
+    });
+    (token_rx.recv().unwrap(), to_runner, from_runner)
+}
+
+#[test]
+fn a_fiber_pinned_before_its_first_run_runs_only_on_that_thread() {
+    with_watchdog(30, "pin_to", || {
+        let (worker, to_worker, from_worker) = runner_thread();
+        let fiber = Fiber::new(FiberAttr::new().name("sent")).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, || {
+                let first = thread_now();
+                yield_value(1);
+                assert_eq!(first, thread_now(), "a pinned fiber resumed on another thread");
+                first
+            })
+            .unwrap();
+        fiber.pin_to(worker).unwrap();
+        assert!(!fiber.may_run_here(), "pinned to the worker, not to this thread");
+        assert!(!fiber.is_pinned_here());
+
+        // Here: refused before it starts, and left as it was.
+        let err = fiber.run().unwrap_err();
+        assert!(
+            matches!(err, FiberError::WrongThread(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("the one pin_to named"), "{err}");
+        assert_eq!(fiber.state(), FiberState::Ready);
+        assert_eq!(fiber.stats().runs, 0, "the refused run is not counted");
+
+        // There: it starts, and stays pinned there.
+        to_worker.send(fiber).unwrap();
+        let (fiber, outcome) = from_worker.recv().unwrap();
+        assert_eq!(outcome, "Ok(true)", "it yielded on the worker");
+        assert!(matches!(fiber.run(), Err(FiberError::WrongThread(_))));
+        // Pinning a started function to its own thread changes nothing;
+        // to another thread, it is refused.
+        fiber.pin_to(worker).unwrap();
+        let err = fiber.pin_to(ThreadToken::current()).unwrap_err();
+        assert!(
+            matches!(err, FiberError::AlreadyStarted(id) if id == fiber.id()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("before the first run"), "{err}");
+        to_worker.send(fiber).unwrap();
+        let (fiber, outcome) = from_worker.recv().unwrap();
+        assert_eq!(outcome, "Ok(false)", "it returned on the worker");
+        assert_eq!(fiber.stats().migrations, 0);
+
+        // Finished: its next function is not pinned to the worker.
+        fiber.set_function(Priority::NORMAL, thread_now).unwrap();
+        assert!(fiber.may_run_here());
+        assert_eq!(fiber.run().unwrap().unwrap_returned(), thread_now());
+    });
+}
+
+#[test]
+fn pin_to_can_move_the_pin_before_the_first_run_and_set_function_clears_it() {
+    let (worker, _to_worker, _from_worker) = runner_thread();
+    let fiber = Fiber::new(FiberAttr::new()).unwrap();
+    fiber.set_function(Priority::NORMAL, thread_now).unwrap();
+    fiber.pin_to(worker).unwrap();
+    fiber.pin_to(ThreadToken::current()).unwrap();
+    assert!(fiber.may_run_here(), "the second pin_to moved the pin here");
+    fiber.pin_to(worker).unwrap();
+    fiber.set_function(Priority::NORMAL, thread_now).unwrap();
+    assert!(fiber.may_run_here(), "set_function cleared the pin");
+    assert_eq!(fiber.run().unwrap().unwrap_returned(), thread_now());
+}
+
+#[test]
+fn pin_to_refuses_fibers_with_no_function_finished_or_migratable() {
+    let here = ThreadToken::current();
+    let fiber = Fiber::<ThreadId>::new(FiberAttr::new()).unwrap();
+    assert!(matches!(fiber.pin_to(here), Err(FiberError::NoFunction(_))));
+    fiber.set_function(Priority::NORMAL, thread_now).unwrap();
+    assert_eq!(fiber.run().unwrap().unwrap_returned(), thread_now());
+    assert!(matches!(fiber.pin_to(here), Err(FiberError::Finished(_))));
+    // SAFETY: the function holds nothing across a suspension (it has none).
+    unsafe { fiber.set_function_migratable(Priority::NORMAL, thread_now) }.unwrap();
+    let err = fiber.pin_to(here).unwrap_err();
+    assert!(
+        matches!(err, FiberError::Migratable(id) if id == fiber.id()),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("set_function_migratable"), "{err}");
+    assert_eq!(
+        fiber.state(),
+        FiberState::Ready,
+        "a refused pin_to leaves the fiber as it was"
+    );
+    assert_eq!(fiber.run().unwrap().unwrap_returned(), thread_now());
 }

@@ -10,23 +10,23 @@
 //! that the main thread (an ordinary thread) reads. A semaphore of credits
 //! bounds how far the producer runs ahead: it sleeps when they run out and
 //! a consumer's release wakes it, and consumers sleep on the empty channel
-//! until a push wakes them, so the queue's wake count is rarely zero. Every fiber is set up
-//! with the safe `set_function`, so it is pinned to the worker that first
-//! runs it: the workers start before the fibers are pushed (so that any
-//! of them may take a fiber's first run), keep popping until every fiber
-//! has finished, and only then stop: the worker that sees the last fiber
-//! end closes the queue, and every worker's `pop` returns `None` (a worker
-//! that stopped earlier would strand the fibers pinned to it). Which
-//! worker takes which fiber is up to timing, and the fiber stays there: on
-//! two cores one worker often takes them all, and the other only sets
-//! aside what it may not run (the crate docs, "Pinning also decides the
-//! balance"; migratable fibers, set with the `unsafe`
-//! `set_function_migratable`, may run on any worker).
+//! until a push wakes them, so the queue's wake count is rarely zero. Every
+//! fiber is set up with the safe `set_function`, so it is pinned to one
+//! worker for good. Left alone, that would be whichever worker ran it
+//! first (on two cores one worker often takes them all); here each worker
+//! hands out its `ThreadToken` when it starts, and the main thread pins
+//! the fibers to the workers by turns with `Fiber::pin_to` before pushing
+//! them (a worker that pops a fiber pinned to another sets it aside for
+//! that one). The workers keep popping until every fiber has finished,
+//! and only then stop: the worker that sees the last fiber end closes the
+//! queue, and every worker's `pop` returns `None` (a worker that stopped
+//! earlier would strand the fibers pinned to it). Migratable fibers, set
+//! with the `unsafe` `set_function_migratable`, may run on any worker.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
+use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome, ThreadToken};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Channel, Msg, Semaphore};
 
@@ -46,14 +46,15 @@ fn main() {
     let sums = Arc::new(Channel::<u64>::new());
     let credits = Arc::new(Semaphore::new(CREDITS));
 
-    // The workers start first: a pinned fiber stays with the worker that
-    // ran it first, and fibers pushed before the workers start would all
-    // go to whichever wakes first.
+    // The workers start first and say who they are: each fiber is pinned
+    // to one of them before it is pushed.
     let finished = Arc::new(AtomicUsize::new(0));
+    let (token_tx, token_rx) = std::sync::mpsc::channel();
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| {
-            let (queue, finished) = (queue.clone(), finished.clone());
+            let (queue, finished, token_tx) = (queue.clone(), finished.clone(), token_tx.clone());
             std::thread::spawn(move || {
+                token_tx.send(ThreadToken::current()).unwrap();
                 let mut runs = 0u64;
                 // Until the queue is closed, not until it looks empty: a
                 // sleeping fiber is in no queue, and may be pinned to this
@@ -84,6 +85,9 @@ fn main() {
         })
         .collect();
 
+    let tokens: Vec<ThreadToken> = token_rx.iter().take(WORKERS).collect();
+    let mut next_worker = tokens.iter().cycle();
+
     // The producer: every number, then it closes the channel.
     let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
     let (tx, credit) = (numbers.clone(), credits.clone());
@@ -99,6 +103,7 @@ fn main() {
             tx.close();
         })
         .unwrap();
+    producer.pin_to(*next_worker.next().unwrap()).unwrap();
     queue.try_push(producer).unwrap();
 
     for i in 0..CONSUMERS {
@@ -120,6 +125,7 @@ fn main() {
                 out.push(Msg::new(sum)).unwrap();
             })
             .unwrap();
+        consumer.pin_to(*next_worker.next().unwrap()).unwrap();
         queue.try_push(consumer).unwrap();
     }
 

@@ -25,9 +25,13 @@
 //! worker ran it first, and a worker that is free while another is busy
 //! takes every new fiber. Fibers pushed before the workers start can all
 //! go to the first worker to wake, which then runs every one of them while
-//! the others find nothing they may run. Starting the workers before
-//! pushing helps; for an even spread, give each worker its own queue, or
-//! use migratable fibers.
+//! the others find nothing they may run. For an even spread, pin each
+//! fiber to a worker before pushing it: each worker hands out its
+//! [`ThreadToken`](spindle_fiber::ThreadToken) when it starts, and
+//! [`Fiber::pin_to`](spindle_fiber::Fiber::pin_to) pins a function that has
+//! not run yet to that worker, as the `workers` example does (a pop on
+//! another worker sets the fiber aside for its own). Giving each worker its
+//! own queue, or migratable fibers, also spread the load.
 //!
 //! ```
 //! use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};

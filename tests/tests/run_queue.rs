@@ -8,7 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{fiber, named_fiber, spin_until, watchdog, DropCounter, XorShift};
-use spindle_fiber::{yield_now, Fiber, FiberError, FiberState, Priority, RunOutcome};
+use spindle_fiber::{yield_now, Fiber, FiberError, FiberState, Priority, RunOutcome, ThreadToken};
 use spindle_run_queue::{PushError, RunQueue};
 use spindle_sync::Semaphore;
 
@@ -1253,6 +1253,83 @@ fn workers_stop_when_the_last_fiber_closes_the_queue() {
         stage.set("waiting for the workers to stop after the last fiber returned");
         let total: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
         assert_eq!(total, (0..FIBERS).sum::<usize>());
+        assert!(queue.is_closed() && queue.is_empty());
+    });
+}
+
+/// Fibers pinned to the workers by turns before their first run
+/// (`Fiber::pin_to`) each run only on their own worker, whichever worker
+/// pops them: each worker runs exactly its share, and a fiber that yields
+/// and sleeps comes back to the same thread.
+#[test]
+fn fibers_pinned_before_their_first_run_run_on_their_own_worker() {
+    const WORKERS: usize = 2;
+    const FIBERS: usize = 12;
+    watchdog("fibers_pinned_before_their_first_run_run_on_their_own_worker", 60, |stage| {
+        #[inline(never)]
+        fn thread_now() -> thread::ThreadId {
+            thread::current().id()
+        }
+        let queue = RunQueue::<(usize, thread::ThreadId)>::new(FIBERS);
+        let sem = Arc::new(Semaphore::new(1));
+        let returned = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (token_tx, token_rx) = std::sync::mpsc::channel();
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let (q, returned, token_tx) = (queue.clone(), returned.clone(), token_tx.clone());
+                thread::spawn(move || {
+                    token_tx.send((ThreadToken::current(), thread_now())).unwrap();
+                    let mut ran = Vec::new();
+                    while let Some(f) = q.pop() {
+                        match q.run_popped(f).outcome {
+                            Ok(RunOutcome::Returned(r)) => {
+                                ran.push(r);
+                                if returned.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1 == FIBERS {
+                                    q.close();
+                                }
+                            }
+                            Ok(RunOutcome::Panicked(p)) => panic!("{p}"),
+                            Ok(_) => {}
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                    (thread_now(), ran)
+                })
+            })
+            .collect();
+        let tokens: Vec<(ThreadToken, thread::ThreadId)> = token_rx.iter().take(WORKERS).collect();
+        stage.set("fibers pinned to the workers by turns");
+        for i in 0..FIBERS {
+            let sem = sem.clone();
+            let f = fiber(Priority::NORMAL, move || {
+                let first = thread_now();
+                for _ in 0..5 {
+                    // One fiber at a time holds the token: the others sleep.
+                    sem.acquire();
+                    yield_now();
+                    sem.release(1);
+                    assert_eq!(thread_now(), first, "a pinned fiber moved");
+                }
+                (i, first)
+            });
+            f.pin_to(tokens[i % WORKERS].0).unwrap();
+            queue.try_push(f).unwrap();
+        }
+        stage.set("waiting for the workers to stop after the last fiber returned");
+        for w in workers {
+            let (me, ran) = w.join().unwrap();
+            let index = tokens.iter().position(|&(_, id)| id == me).expect("a worker's token");
+            let mut mine: Vec<usize> = ran
+                .iter()
+                .map(|&(i, on)| {
+                    assert_eq!(on, me, "fiber {i} ran where its worker did");
+                    i
+                })
+                .collect();
+            mine.sort_unstable();
+            let expected: Vec<usize> = (0..FIBERS).filter(|i| i % WORKERS == index).collect();
+            assert_eq!(mine, expected, "worker {index} ran exactly the fibers pinned to it");
+        }
         assert!(queue.is_closed() && queue.is_empty());
     });
 }
