@@ -101,11 +101,15 @@ fn assign_thread_id() -> u64 {
 /// ```
 ///
 /// [`Fiber::pin_to`]: crate::Fiber::pin_to
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ThreadToken(std::num::NonZeroU64);
 
 impl ThreadToken {
-    /// The calling thread's token.
+    /// The calling thread's token. The first call on a thread (or its
+    /// first fiber run) gives the thread its id, and, if it has no
+    /// alternate signal stack yet, maps one for the stack-overflow report
+    /// (64 KiB and a guard page, unmapped when the thread exits): a thread
+    /// a fiber is pinned to will run fibers anyway.
     pub fn current() -> ThreadToken {
         ThreadToken(std::num::NonZeroU64::new(thread_id()).expect("thread ids are never 0"))
     }

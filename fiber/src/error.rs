@@ -256,17 +256,17 @@ impl fmt::Display for FiberError {
             FiberError::WrongThread(id) => write!(
                 f,
                 "fiber {id} is pinned to another thread (the one it started on, or the one pin_to \
-                 named): run it there, or give it its function with the unsafe \
-                 set_function_migratable if that function is safe to move"
+                 named): run it there, pin_to this thread before its first run, or give it its \
+                 function with the unsafe set_function_migratable if that function is safe to move"
             ),
             FiberError::AlreadyStarted(id) => write!(
                 f,
-                "fiber {id}'s function has already run on another thread and stays pinned there: \
+                "fiber {id} has already run its function on another thread, which keeps it there: \
                  call pin_to after set_function and before the first run"
             ),
             FiberError::Migratable(id) => write!(
                 f,
-                "fiber {id}'s function was set with set_function_migratable and may run on any \
+                "fiber {id} has a function set with set_function_migratable, which may run on any \
                  thread: pin_to is for functions set with set_function"
             ),
             FiberError::NoStack(id) => write!(

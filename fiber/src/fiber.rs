@@ -710,7 +710,8 @@ impl<T: Send + 'static> Fiber<T> {
     /// at. Allowed when the fiber is empty, finished, or has a function that
     /// has not started yet (which is dropped).
     ///
-    /// The function is pinned to the thread that first runs it.
+    /// The function is pinned to the thread that first runs it, or to the
+    /// one [`pin_to`](Fiber::pin_to) names before that.
     ///
     /// The function and its result must be `Send + 'static` even if you
     /// only ever run the fiber on one thread: a `Fiber` handle may be sent
@@ -1491,7 +1492,8 @@ impl<T> Fiber<T> {
     }
 
     /// Whether the function is pinned to the calling thread (it has run
-    /// here and is not migratable): no other thread may run it. A
+    /// here and is not migratable, or [`pin_to`](Fiber::pin_to) named this
+    /// thread before its first run): no other thread may run it. A
     /// scheduler that queues it need not wake another thread for it.
     ///
     /// ```
@@ -1504,6 +1506,11 @@ impl<T> Fiber<T> {
     /// assert!(fiber.is_pinned_here());
     /// let f = fiber.clone();
     /// assert!(!std::thread::spawn(move || f.is_pinned_here()).join().unwrap());
+    ///
+    /// let fresh = Fiber::<()>::new(FiberAttr::new()).unwrap();
+    /// fresh.set_function(Priority::NORMAL, || ()).unwrap();
+    /// fresh.pin_to(spindle_fiber::ThreadToken::current()).unwrap();
+    /// assert!(fresh.is_pinned_here()); // pinned here before any run
     /// ```
     pub fn is_pinned_here(&self) -> bool {
         match self.header().pinned_to.load(Ordering::Relaxed) {
@@ -1540,20 +1547,33 @@ impl<T> Fiber<T> {
     /// # Errors
     ///
     /// Nothing changes, and: [`AlreadyStarted`](FiberError::AlreadyStarted)
-    /// if the function has run on another thread (it stays there),
+    /// if the function has run on another thread (it stays there; also
+    /// while it sleeps),
     /// [`Migratable`](FiberError::Migratable) for a function set with
     /// [`set_function_migratable`](Fiber::set_function_migratable) (it may
     /// run anywhere), and as for [`run`](Fiber::run) a fiber with no
-    /// function, a finished one, or one that is not `Ready` (running,
-    /// queued, asleep).
+    /// function, a finished one, or one that is running or queued, and [`NoStack`](FiberError::NoStack) as for `run`.
     pub fn pin_to(&self, thread: ThreadToken) -> Result<(), FiberError> {
         let h = self.header();
-        h.state
-            .transition(FiberState::Ready, FiberState::Locked)
-            .map_err(|s| self.run_error(s))?;
+        if let Err(found) = h.state.transition(FiberState::Ready, FiberState::Locked) {
+            return match found {
+                // Asleep, so started: pinned since its first run (the
+                // header's `pinned_to`, 0 for a migratable function).
+                FiberState::Sleeping => match h.pinned_to.load(Ordering::Relaxed) {
+                    0 => Err(FiberError::Migratable(h.id)),
+                    t if t == thread.get() => Ok(()),
+                    _ => Err(FiberError::AlreadyStarted(h.id)),
+                },
+                _ => Err(self.run_error(found)),
+            };
+        }
         // SAFETY: we hold the state `Locked`.
         let slot = unsafe { self.slot() };
-        let result = if slot.migratable {
+        let result = if slot.coro.is_none() {
+            // Its function was unwound on drop while a destructor kept a
+            // reference: no function, no stack (as `run` says).
+            Err(FiberError::NoStack(h.id))
+        } else if slot.migratable {
             Err(FiberError::Migratable(h.id))
         } else if slot.pin != NO_PIN {
             // Started: pinned to `slot.pin` since its first run.

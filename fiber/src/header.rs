@@ -238,9 +238,11 @@ pub(crate) struct Header {
     pub(crate) home_refused: AtomicBool,
     /// Thread id of the last run; written by the runner.
     pub(crate) last_thread: AtomicU64,
-    /// The thread a pinned function is bound to once it has run (0: none,
-    /// the function is migratable or has not run). Written on the cold
-    /// paths that bind and unbind it; read by `Fiber::may_run_here`.
+    /// The thread a pinned function is bound to once it has run, or since
+    /// `Fiber::pin_to` named it (0: none, the function is migratable or
+    /// has not run and was not pinned). Written on the cold paths that
+    /// bind and unbind it; read by `Fiber::may_run_here` and by the first
+    /// run's thread check.
     pub(crate) pinned_to: AtomicU64,
     pub(crate) counters: Counters,
     pub(crate) vtable: &'static VTable,

@@ -212,6 +212,18 @@ fn every_message_names_the_fiber_and_says_what_to_do() {
         (FiberError::Queued(id), "pop it from the queue"),
         (FiberError::Sleeping(id), "leave it until a wake"),
         (FiberError::WrongThread(id), "set_function_migratable"),
+        (
+            FiberError::WrongThread(id),
+            "pin_to this thread before its first run",
+        ),
+        (
+            FiberError::AlreadyStarted(id),
+            "call pin_to after set_function and before the first run",
+        ),
+        (
+            FiberError::Migratable(id),
+            "pin_to is for functions set with set_function",
+        ),
         (FiberError::NotQueued(id), "only a scheduler that queued it"),
         (FiberError::NoStack(id), "create a new fiber"),
     ];

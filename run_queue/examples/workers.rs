@@ -17,7 +17,9 @@
 //! hands out its `ThreadToken` when it starts, and the main thread pins
 //! the fibers to the workers by turns with `Fiber::pin_to` before pushing
 //! them (a worker that pops a fiber pinned to another sets it aside for
-//! that one). The workers keep popping until every fiber has finished,
+//! that one). That spreads the fibers, not necessarily the work: the
+//! consumers race for one channel, and on a busy machine one worker's
+//! consumers can take nearly every number (the run counts show it). The workers keep popping until every fiber has finished,
 //! and only then stop: the worker that sees the last fiber end closes the
 //! queue, and every worker's `pop` returns `None` (a worker that stopped
 //! earlier would strand the fibers pinned to it). Migratable fibers, set
@@ -54,7 +56,8 @@ fn main() {
         .map(|w| {
             let (queue, finished, token_tx) = (queue.clone(), finished.clone(), token_tx.clone());
             std::thread::spawn(move || {
-                token_tx.send(ThreadToken::current()).unwrap();
+                let me = ThreadToken::current();
+                token_tx.send(me).unwrap();
                 let mut runs = 0u64;
                 // Until the queue is closed, not until it looks empty: a
                 // sleeping fiber is in no queue, and may be pinned to this
@@ -80,13 +83,21 @@ fn main() {
                         Err(e) => panic!("worker {w}: {e}"),
                     }
                 }
-                runs
+                (me, runs)
             })
         })
         .collect();
 
     let tokens: Vec<ThreadToken> = token_rx.iter().take(WORKERS).collect();
-    let mut next_worker = tokens.iter().cycle();
+    // Pins a fiber to the next worker by turns, counting each worker's.
+    let mut pinned = vec![0usize; WORKERS];
+    let mut turn = 0;
+    let mut pin = |fiber: &Fiber| {
+        let w = turn % WORKERS;
+        turn += 1;
+        fiber.pin_to(tokens[w]).unwrap();
+        pinned[w] += 1;
+    };
 
     // The producer: every number, then it closes the channel.
     let producer = Fiber::new(FiberAttr::new().name("producer")).unwrap();
@@ -103,7 +114,7 @@ fn main() {
             tx.close();
         })
         .unwrap();
-    producer.pin_to(*next_worker.next().unwrap()).unwrap();
+    pin(&producer);
     queue.try_push(producer).unwrap();
 
     for i in 0..CONSUMERS {
@@ -125,18 +136,19 @@ fn main() {
                 out.push(Msg::new(sum)).unwrap();
             })
             .unwrap();
-        consumer.pin_to(*next_worker.next().unwrap()).unwrap();
+        pin(&consumer);
         queue.try_push(consumer).unwrap();
     }
 
     // An ordinary thread waits on the same channel type: it parks.
     let total: u64 = (0..CONSUMERS).map(|_| sums.pop().unwrap().into_inner()).sum();
-    let runs: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let runs: Vec<(ThreadToken, u64)> = workers.into_iter().map(|w| w.join().unwrap()).collect();
 
     let stats = queue.stats();
     println!("{WORKERS} workers, {} fibers, {NUMBERS} numbers", CONSUMERS + 1);
-    for (w, r) in runs.iter().enumerate() {
-        println!("worker {w}: {r} fiber runs");
+    for (w, (me, r)) in runs.iter().enumerate() {
+        let mine = pinned[tokens.iter().position(|t| t == me).expect("every worker sent its token")];
+        println!("worker {w}: {mine} fibers pinned to it, {r} fiber runs");
     }
     println!(
         "queue: {} pushes, {} wakes, {} pops, {} set aside for their own thread",

@@ -25,13 +25,16 @@
 //! worker ran it first, and a worker that is free while another is busy
 //! takes every new fiber. Fibers pushed before the workers start can all
 //! go to the first worker to wake, which then runs every one of them while
-//! the others find nothing they may run. For an even spread, pin each
-//! fiber to a worker before pushing it: each worker hands out its
+//! the others find nothing they may run. To choose, pin each fiber to a
+//! worker before pushing it: each worker hands out its
 //! [`ThreadToken`](spindle_fiber::ThreadToken) when it starts, and
 //! [`Fiber::pin_to`](spindle_fiber::Fiber::pin_to) pins a function that has
 //! not run yet to that worker, as the `workers` example does (a pop on
-//! another worker sets the fiber aside for its own). Giving each worker its
-//! own queue, or migratable fibers, also spread the load.
+//! another worker sets the fiber aside for its own). That spreads the
+//! fibers, not necessarily the work: a fiber that finds nothing to do
+//! while another worker's fibers take it all (the example's consumers on a
+//! busy machine) still leaves its worker idle. Giving each worker its own
+//! queue, or migratable fibers, are the other ways to spread them.
 //!
 //! ```
 //! use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
