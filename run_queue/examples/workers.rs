@@ -90,7 +90,7 @@ fn main() {
 
     let tokens: Vec<ThreadToken> = token_rx.iter().take(WORKERS).collect();
     // Pins a fiber to the next worker by turns, counting each worker's.
-    let mut pinned = vec![0usize; WORKERS];
+    let mut pinned = [0usize; WORKERS];
     let mut turn = 0;
     let mut pin = |fiber: &Fiber| {
         let w = turn % WORKERS;
