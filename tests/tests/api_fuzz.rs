@@ -1,6 +1,6 @@
 //! Everything the public API allows, done to a handful of shared fibers by
 //! several threads at once: random runs, `set_function`s, wakes,
-//! interrupts, refused wakes and `take_back`, `abandon`, queueing on user
+//! interrupts, refused wakes and `take_back`, `abandon`, `pin_to`, queueing on user
 //! schedulers that sometimes refuse, re-homing, handles dropped (inside and
 //! outside `defer_releases`) and stolen for `run_mut`. The fibers' bodies
 //! yield, sleep on published waiters, wait on a semaphore (plainly and
@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use common::{watchdog_with_progress, XorShift};
 use spindle_fiber::{
     defer_releases, sleep, take_interrupt, yield_now, yield_value, Fiber, FiberAttr, Priority, RunOutcome,
-    Schedule, Waiter, Woken,
+    Schedule, ThreadToken, Waiter, Woken,
 };
 use spindle_sync::Semaphore;
 
@@ -92,6 +92,8 @@ struct World {
     ops: AtomicU64,
     max_ops: u64,
     outcomes: Outcomes,
+    /// The worker threads, for `pin_to`.
+    threads: Mutex<Vec<ThreadToken>>,
 }
 
 /// A local whose destructor does what destructors on a fiber's stack may
@@ -233,6 +235,7 @@ fn unstick(world: &World) {
 fn worker(world: Arc<World>, seed: u64) {
     let mut rng = XorShift::new(seed);
     let slots = world.slots.len() as u64;
+    world.threads.lock().unwrap().push(ThreadToken::current());
     while world.ops.fetch_add(1, Ordering::Relaxed) < world.max_ops {
         if rng.below(64) == 0 {
             unstick(&world);
@@ -313,6 +316,13 @@ fn worker(world: Arc<World>, seed: u64) {
                 home.refuse.store(rng.below(3) == 0, Ordering::Relaxed);
             }
             13 => {
+                // Pins an unstarted function to some worker (refused for
+                // anything else).
+                let to = {
+                    let t = world.threads.lock().unwrap();
+                    t[rng.below(t.len() as u64) as usize]
+                };
+                let _ = fiber.pin_to(to);
                 let _ = fiber.stats();
                 let _ = format!("{fiber:?}");
                 let _ = fiber.wait_site();
@@ -348,6 +358,7 @@ fn shared_fibers_survive_everything_the_api_allows() {
         ops: AtomicU64::new(0),
         max_ops,
         outcomes: Outcomes::default(),
+        threads: Mutex::new(Vec::new()),
     });
     let (progress, status) = (world.clone(), world.clone());
     let summary = watchdog_with_progress(
