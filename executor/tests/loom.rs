@@ -1063,3 +1063,122 @@ fn two_searchers_two_spawns_one_blocking() {
         finish(&world, handles);
     });
 }
+
+/// Litmus models behind the notifier's `compare_exchange` (`Inbox::notify`):
+/// loom 0.7 does not keep a read-modify-write's write next to the store it
+/// read in the modification order (tokio-rs/loom#254). A `swap(false)` that
+/// reads `false` still writes; loom leaves that write unordered against a
+/// later `true` stored by a thread that never saw it, and a thread that has
+/// seen both may then read the swap's `false` as the newest value. With
+/// SeqCst fences on both sides, that reads as store buffering, which the
+/// memory model forbids. Model 8 at bound 2 failed on exactly this with
+/// `swap` in `notify` (see docs/loom.md). The `should_panic` ones fail the
+/// day loom orders such writes (loom#391): then `notify` may go back to
+/// `swap`.
+mod litmus {
+    use super::*;
+
+    /// Worker: `parked = true`, SeqCst fence, reads the deque's back index.
+    /// Notifier: its `notify` of the worker first (`take`), then a push
+    /// (Release fence, Relaxed store, as crossbeam's), a SeqCst fence and a
+    /// read of `parked`. Forbidden: the notifier took nothing, the worker
+    /// missed the push and the notifier sees `parked == false`.
+    fn store_buffering_after_a_notify(take: fn(&AtomicBool) -> bool) {
+        model(move || {
+            let parked = Arc::new(AtomicBool::new(false));
+            let back = Arc::new(AtomicUsize::new(0));
+            let (p, b) = (Arc::clone(&parked), Arc::clone(&back));
+            let worker = thread::spawn(move || {
+                store_seq_cst(&p, true);
+                b.load(Ordering::Acquire)
+            });
+            let took = take(&parked);
+            fence(Ordering::Release);
+            back.store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            let seen_parked = parked.load(Ordering::SeqCst);
+            let seen_push = worker.join().unwrap() == 1;
+            assert!(took || seen_push || seen_parked, "store buffering across SeqCst fences");
+        });
+    }
+
+    /// A `swap` that reads the initial `false` writes `false`, which must
+    /// come before the worker's `true` (it follows the store it read); loom
+    /// lets the notifier read it after seeing the worker's store.
+    #[test]
+    #[should_panic(expected = "store buffering across SeqCst fences")]
+    fn loom_lets_a_swap_that_read_false_hide_a_later_store() {
+        store_buffering_after_a_notify(|p| p.swap(false, Ordering::SeqCst));
+    }
+
+    /// The same with a `compare_exchange(true, false)`: a failed one writes
+    /// nothing, and loom finds no such history.
+    #[test]
+    fn a_failed_compare_exchange_writes_nothing() {
+        store_buffering_after_a_notify(|p| {
+            p.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        });
+    }
+
+    /// Model 8's failing execution at bound 2, reduced: worker 2 parks
+    /// (`parked = true`, fence); worker 1's `notify` takes the flag and
+    /// unparks it; worker 0's `notify` of worker 2 (a spawn, `push_local`)
+    /// reads the stale `true`, then swaps worker 1's `false` (and writes
+    /// `false`); worker 2, woken, stores `false`, searches, stores `true`,
+    /// fences and re-checks worker 0's deque before the next push; worker 0
+    /// pushes, fences and reads `parked`. Loom lets worker 0 read its own
+    /// swap's `false`, ordered after worker 2's `true`, and the spawn wakes
+    /// nobody. Forbidden: the swap follows worker 1's `false`, which
+    /// happens before worker 2's stores.
+    fn model_8_reduced(take: fn(&AtomicBool) -> bool) {
+        model(move || {
+            let parked = Arc::new(AtomicBool::new(false));
+            let back = Arc::new(AtomicUsize::new(0));
+            let woken = Arc::new(AtomicBool::new(false));
+            let (p, b) = (Arc::clone(&parked), Arc::clone(&back));
+            let worker2 = thread::spawn(move || {
+                store_seq_cst(&p, true);
+                thread::park();
+                p.store(false, Ordering::SeqCst);
+                store_seq_cst(&p, true);
+                b.load(Ordering::Acquire)
+            });
+            let (p, w, t) = (Arc::clone(&parked), Arc::clone(&woken), worker2.thread().clone());
+            let worker1 = thread::spawn(move || loop {
+                if p.load(Ordering::SeqCst) && take(&p) {
+                    t.unpark();
+                    w.store(true, Ordering::SeqCst);
+                    return;
+                }
+                if w.load(Ordering::SeqCst) {
+                    return;
+                }
+                thread::yield_now();
+            });
+            // Worker 0.
+            let took = parked.load(Ordering::SeqCst) && take(&parked);
+            if took {
+                worker2.thread().unpark();
+                woken.store(true, Ordering::SeqCst);
+            }
+            fence(Ordering::Release);
+            back.store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            let seen_parked = parked.load(Ordering::SeqCst);
+            worker1.join().unwrap();
+            let seen_push = worker2.join().unwrap() == 1;
+            assert!(took || seen_push || seen_parked, "store buffering across SeqCst fences");
+        });
+    }
+
+    #[test]
+    #[should_panic(expected = "store buffering across SeqCst fences")]
+    fn loom_lets_model_8_lose_the_wake_with_swap() {
+        model_8_reduced(|p| p.swap(false, Ordering::SeqCst));
+    }
+
+    #[test]
+    fn model_8_reduced_with_compare_exchange() {
+        model_8_reduced(|p| p.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok());
+    }
+}
