@@ -32,8 +32,8 @@
 //! Notifier (after pushing work):
 //! 1. push the fiber (the queue's own synchronisation);
 //! 2. a SeqCst fence;
-//! 3. for an inbox push: if the owner's `parked.swap(false)` was true,
-//!    unpark it. For a spawn: the same for the target worker; if the target
+//! 3. for an inbox push: if the owner's `parked` is true and a
+//!    compare-and-swap takes it to false, unpark it. For a spawn: the same for the target worker; if the target
 //!    is awake and no worker is searching for work, wake one parked worker so
 //!    it can steal (one, not all).
 //!
@@ -204,9 +204,17 @@ pub(crate) struct Inbox {
 
 impl Inbox {
     /// Unparks the worker if it is parked (notifier step 3). Loads before
-    /// swapping so that the common case (awake) does not take the line.
+    /// taking the flag so that the common case (awake) does not take the
+    /// line. A compare-and-swap rather than a `swap(false)`: the same in the
+    /// memory model (a swap that reads `false` writes `false` right after
+    /// it, which nobody can tell from no write), but loom 0.7 leaves a
+    /// swap's write unordered against the worker's next `parked = true` and
+    /// reports lost wakeups that cannot happen (tokio-rs/loom#254; the
+    /// litmus models in `tests/loom.rs`, docs/loom.md).
     pub(crate) fn notify(&self) -> bool {
-        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
+        if self.parked.load(Ordering::SeqCst)
+            && self.parked.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        {
             crate::trace_event!(worker = self.index, "unpark");
             self.unparker.unpark();
             true

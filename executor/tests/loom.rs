@@ -371,7 +371,9 @@ impl World {
     /// `Inbox::notify` (notifier step 3).
     fn notify(&self, i: usize) -> bool {
         let inbox = &self.workers[i].inbox;
-        if inbox.parked.load(Ordering::SeqCst) && inbox.parked.swap(false, Ordering::SeqCst) {
+        if inbox.parked.load(Ordering::SeqCst)
+            && inbox.parked.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        {
             ev(|| format!("notify: unpark worker {i}"));
             self.unpark(i);
             true
@@ -826,7 +828,9 @@ fn retirement_hand_off(retirer_fence: bool) {
             fence(Ordering::SeqCst);
         }
         // `Inbox::notify`.
-        if parked.load(Ordering::SeqCst) && parked.swap(false, Ordering::SeqCst) {
+        if parked.load(Ordering::SeqCst)
+            && parked.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        {
             woken.unpark();
         }
         idle.join().unwrap();
@@ -878,7 +882,9 @@ fn scale_up_hand_off(wake_after_count: bool) {
         let worker = idle.thread().clone();
         // `Inbox::notify`.
         let notify = || {
-            if parked.load(Ordering::SeqCst) && parked.swap(false, Ordering::SeqCst) {
+            if parked.load(Ordering::SeqCst)
+                && parked.compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+            {
                 worker.unpark();
             }
         };
