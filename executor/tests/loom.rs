@@ -30,7 +30,10 @@
 //!   indices, with the orderings crossbeam-deque 0.8 uses on them in `push`,
 //!   `pop`, `steal` and `is_empty` (the protocol's argument rests on those);
 //!   `steal_batch_and_pop` takes one job, as it does with at most two
-//!   queued. A job's payload is kept beside the indices in a std mutex that
+//!   queued (model 8 can have three queued, where crossbeam would take two
+//!   and keep one in the stealer's own deque: not modelled; the
+//!   last-searcher rule is believed to cover it, since the stealer is
+//!   then busy with a job and the kept one is stealable). A job's payload is kept beside the indices in a std mutex that
 //!   loom does not see; crossbeam's own slot hand-off is not re-checked;
 //! * the inbox is a `VecDeque` under a loom mutex plus the real `len`;
 //! * a worker's `Parker` is loom's thread park: an unpark that comes before
