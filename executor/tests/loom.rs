@@ -16,6 +16,8 @@
 //! * worker side (`worker.rs`): `main_loop`, `next`, `drain_inbox`, `idle`
 //!   (base workers; the extra workers' choice of park against a retirement
 //!   and against a scale-up have models of their own, models 5 and 6),
+//!   `start` (a job that starts, or goes back on the global queue for want
+//!   of a stack), `finish`'s end of `stack_starved`,
 //!   `WorkerCtx::push_local`;
 //! * notifier side (`shared.rs`): `Inbox::notify`, `Inbox::schedule`,
 //!   `Shared::push_fresh`, `wake_one_parked`, `work_visible`,
@@ -41,17 +43,23 @@
 //! * loom treats SeqCst loads and stores as Acquire/Release (loom's README,
 //!   "Unsupported features"), so the worker's step 1 in the code is a SeqCst
 //!   store followed by a SeqCst fence (`Worker::idle`), which loom models
-//!   exactly ([`store_seq_cst`]), pairing with the notifier's fence.
+//!   exactly ([`store_seq_cst`]), pairing with the notifier's fence;
+//! * a start fails for want of a stack for the first `failing_starts`
+//!   starts and succeeds after; the back-off that follows a failure
+//!   (`main_loop`'s timed park) ends at once (loom has no clock).
 //!
 //! Models 1-4 end with all their jobs run and every worker gone: a lost
 //! wakeup leaves a worker parked with work queued that nobody else can take
 //! (loom reports a deadlock). Models 5 and 6 end when their idle worker has
-//! either seen itself the highest or been woken.
+//! either seen itself the highest or been woken. Models 7-12 end as models
+//! 1-4 do.
 
 #![cfg(loom)]
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};
+use std::sync::atomic::{
+    AtomicBool as StdAtomicBool, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
+};
 use std::sync::{Arc, Mutex as StdMutex, OnceLock};
 
 use loom::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
@@ -281,6 +289,9 @@ struct Coverage {
     recheck_found_work: StdAtomicBool,
     /// A notifier found its target awake and woke another parked worker.
     woke_another: StdAtomicBool,
+    /// A job put back for want of a stack woke a parked worker
+    /// (`Worker::start`).
+    put_back_woke: StdAtomicBool,
 }
 
 impl Coverage {
@@ -289,6 +300,7 @@ impl Coverage {
             woken_by_notifier: StdAtomicBool::new(false),
             recheck_found_work: StdAtomicBool::new(false),
             woke_another: StdAtomicBool::new(false),
+            put_back_woke: StdAtomicBool::new(false),
         }
     }
 
@@ -328,6 +340,18 @@ struct World {
     /// before that (a woken worker took work straight from `next()`), which
     /// models 8 and 9 must catch.
     woken_search: bool,
+    /// `Shared::stack_pressure`.
+    stack_pressure: AtomicBool,
+    /// How many starts, the first ones, fail for want of a stack (a
+    /// `Fiber::new` that finds no stack, with some mapped elsewhere that a
+    /// finishing fiber may free); every later start succeeds. Bookkeeping
+    /// outside loom.
+    failing_starts: StdAtomicUsize,
+    /// A job put back on the global queue for want of a stack: the active
+    /// worker that put it back fences and, with no searcher, wakes one
+    /// parked worker (`Worker::start`); `false` is the code before that (only
+    /// a retired worker woke one), which model 12 must catch.
+    put_back_wake: bool,
 }
 
 impl World {
@@ -359,6 +383,9 @@ impl World {
             coverage,
             step_3b: true,
             woken_search: true,
+            stack_pressure: AtomicBool::new(false),
+            failing_starts: StdAtomicUsize::new(0),
+            put_back_wake: true,
         }
     }
 
@@ -520,6 +547,8 @@ struct Worker {
     resumed: VecDeque<Body>,
     tick: u64,
     rng: u64,
+    stack_starved: bool,
+    stack_backoff: bool,
 }
 
 impl Worker {
@@ -532,6 +561,8 @@ impl Worker {
             resumed: VecDeque::new(),
             tick: 0,
             rng: 0x9E37_79B9_7F4A_7C15 ^ (index as u64 + 1),
+            stack_starved: false,
+            stack_backoff: false,
         };
         w.main_loop();
     }
@@ -548,11 +579,21 @@ impl Worker {
             if std::mem::take(&mut woken) && self.shared.woken_search {
                 // Straight into the search, as a searcher.
                 woken = self.idle();
-                continue;
+            } else {
+                match self.next() {
+                    Some(n) => self.run_one(n),
+                    None => woken = self.idle(),
+                }
             }
-            match self.next() {
-                Some(n) => self.run_one(n),
-                None => woken = self.idle(),
+            // The back-off after a start that failed for want of a stack,
+            // with no started fiber of its own to run. Loom has no clock:
+            // the timed park (`park_timeout(STACK_BACKOFF)`, the worker not
+            // marked parked) is modelled as its timeout passing at once.
+            if std::mem::take(&mut self.stack_backoff)
+                && self.resumed.is_empty()
+                && self.shared.workers[self.index].inbox.len.load(Ordering::Acquire) == 0
+            {
+                ev(|| format!("worker {}: backs off (timeout passes)", self.index));
             }
         }
     }
@@ -561,6 +602,14 @@ impl Worker {
     fn next(&mut self) -> Option<Next> {
         self.tick += 1;
         self.drain_inbox();
+        // `stack_pressure`: the fiber cache (not modelled) is dropped.
+        if self.stack_starved && self.tick % 2 == 1 {
+            // A job waits for a stack: every other round, started fibers
+            // first.
+            if let Some(t) = self.resumed.pop_front() {
+                return Some(Next::Resumed(t));
+            }
+        }
         // `me.active`: always true here.
         let fresh_first = self.tick % 2 == 0;
         if !fresh_first {
@@ -611,7 +660,11 @@ impl Worker {
     /// on a fiber; every fiber here returns).
     fn run_one(&mut self, next: Next) {
         let body = match next {
-            Next::Resumed(t) | Next::Fresh(t) => t,
+            Next::Resumed(t) => t,
+            Next::Fresh(job) => match self.start(job) {
+                Some(t) => t,
+                None => return,
+            },
         };
         ev(|| format!("worker {}: runs {body:?}", self.index));
         let shared = &*self.shared;
@@ -636,7 +689,49 @@ impl Worker {
                 shared.wait_until_done(shared.total - 1);
             }
         }
+        // `Worker::finish`: a fiber's end may free a stack.
+        self.stack_starved = false;
         shared.complete();
+    }
+
+    /// `Worker::start`: the job starts, or (the first
+    /// `World::failing_starts` starts) it cannot get a stack and goes back
+    /// on the global queue. No job is cancelled and no shutdown comes
+    /// before the last job has run, so no start drops its job; a failure
+    /// with no stack mapped anywhere (the job's join failed instead) is not
+    /// modelled.
+    fn start(&mut self, job: Body) -> Option<Body> {
+        let shared = &*self.shared;
+        let i = self.index;
+        let failed = shared
+            .failing_starts
+            .fetch_update(StdOrdering::Relaxed, StdOrdering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if failed {
+            ev(|| format!("worker {i}: no stack for {job:?}, puts it back"));
+            self.stack_starved = true;
+            if !shared.stack_pressure.swap(true, Ordering::Relaxed) {
+                shared.wake_all();
+            }
+            // `stack_waits`: statistics.
+            shared.global.push(job);
+            if shared.put_back_wake {
+                fence(Ordering::SeqCst);
+                if shared.searching.load(Ordering::SeqCst) == 0 && shared.wake_one_parked() {
+                    ev(|| format!("worker {i}: put-back woke a parked worker"));
+                    if !shared.shutting_down.load(StdOrdering::Relaxed) {
+                        Coverage::note(&shared.coverage.put_back_woke);
+                    }
+                }
+            }
+            self.stack_backoff = true;
+            return None;
+        }
+        self.stack_starved = false;
+        if shared.stack_pressure.load(Ordering::Relaxed) {
+            shared.stack_pressure.store(false, Ordering::Relaxed);
+        }
+        Some(job)
     }
 
     /// `Worker::idle` for a base worker: search, then the parking protocol's
@@ -1071,6 +1166,51 @@ fn two_searchers_two_spawns_one_blocking() {
         let handles = start_workers(&world);
         finish(&world, handles);
     });
+}
+
+/// Model 12 (from review): a job put back on the global queue for want of
+/// a stack (`Worker::start`). Two workers. Worker 0 has run one pinned fiber
+/// before (so that its next round, the one that takes the job, has an even
+/// tick: fresh jobs first); its queue holds a job whose first start finds
+/// no stack; a fiber pinned to it is woken into its inbox from outside and
+/// blocks it until the job has run. Worker 0 takes the job, cannot start
+/// it, puts it back on the global queue and, `stack_starved`, takes the
+/// fiber first on its next (odd) round: only worker 1 can run the job now.
+/// If worker 1 parked in between (also after the wake of every worker
+/// with which the first failure starts the stack pressure), the put-back
+/// must wake it: without that wake (`put_back_wake: false`, the code before
+/// it for an active worker) loom reports a deadlock.
+fn put_back_hand_off(put_back_wake: bool) {
+    static COVERAGE: Coverage = Coverage::new();
+    model(move || {
+        let mut world = World::new(2, 3, &COVERAGE);
+        world.put_back_wake = put_back_wake;
+        world.failing_starts = StdAtomicUsize::new(1);
+        // An earlier failure set the pressure (no start since), so this one
+        // wakes nobody with `wake_all`: that wake only adds wakes, and
+        // loom's unpark would release a worker blocked on a loom mutex
+        // (the inbox's), which its mutex then rejects.
+        world.stack_pressure = AtomicBool::new(true);
+        let world = Arc::new(world);
+        world.schedule(0, Body::Plain);
+        world.workers[0].fresh.push(Body::Plain);
+        let handles = start_workers(&world);
+        world.schedule(0, Body::WaitFor(2));
+        finish(&world, handles);
+        assert_eq!(world.failing_starts.load(StdOrdering::Relaxed), 0, "the job's first start failed");
+    });
+    Coverage::assert(&COVERAGE.put_back_woke, "a put-back job waking a parked worker");
+}
+
+#[test]
+fn a_job_put_back_for_want_of_a_stack_wakes_a_parked_worker() {
+    put_back_hand_off(true);
+}
+
+#[test]
+#[should_panic(expected = "deadlock")]
+fn without_the_put_back_wake_a_job_can_wait_behind_its_blocked_worker_for_good() {
+    put_back_hand_off(false);
 }
 
 /// Litmus models behind the notifier's `compare_exchange` (`Inbox::notify`):
