@@ -491,7 +491,7 @@ impl Worker {
                         // its loop: a resumed fiber that then blocks its
                         // thread would leave the job to parked workers that
                         // nobody woke (found in review, the same class as
-                        // loom models 7-9).
+                        // loom models 7-9; loom model 12).
                         std::sync::atomic::fence(Ordering::SeqCst);
                         if self.shared().searching.load(Ordering::SeqCst) == 0 {
                             self.shared().wake_one_parked();
