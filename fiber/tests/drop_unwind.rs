@@ -447,46 +447,9 @@ fn suspensions_during_a_forced_unwind_never_reach_the_outer_fiber() {
 
 #[test]
 fn a_fiber_unwound_while_a_destructor_keeps_a_waiter_is_finished_when_woken_and_run() {
-    use spindle_fiber::{sleep, FiberError, FiberState, Schedule};
-    static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
-    struct Home(Mutex<Vec<Fiber<()>>>);
-    impl Schedule<()> for Home {
-        fn schedule<'w>(
-            &self,
-            fiber: spindle_fiber::Woken<'w, ()>,
-        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-            self.0.lock().unwrap().push(fiber.into_queued());
-            Ok(())
-        }
-    }
+    use spindle_fiber::{FiberError, FiberState};
     with_watchdog(30, "zombie_waiter", || {
-        let home = Arc::new(Home(Mutex::new(Vec::new())));
-        let home_dyn: Arc<dyn Schedule<()>> = home.clone();
-        let fiber = Fiber::<()>::new(FiberAttr::new().name("zombie")).unwrap();
-        fiber
-            .set_function(Priority::NORMAL, || {
-                struct Keep;
-                impl Drop for Keep {
-                    fn drop(&mut self) {
-                        *STASH.lock().unwrap() = Waiter::current();
-                    }
-                }
-                let _keep = Keep;
-                sleep();
-            })
-            .unwrap();
-        fiber.mark_queued(Some(&home_dyn)).unwrap();
-        fiber.mark_dequeued().unwrap();
-        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
-        drop(fiber); // unwound here; the destructor keeps a waiter
-        let waiter = STASH
-            .lock()
-            .unwrap()
-            .take()
-            .expect("the destructor kept a waiter");
-        waiter.wake();
-        let fiber = home.0.lock().unwrap().pop().expect("the wake scheduled it");
-        fiber.mark_dequeued().unwrap();
+        let fiber = common::stackless_fiber("zombie");
         // It has no stack left: the error says so and what to do.
         match fiber.run() {
             Err(e @ FiberError::NoStack(_)) => assert!(e.to_string().contains("create a new fiber"), "{e}"),

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::with_watchdog;
+use common::{stackless_fiber, with_watchdog};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -11,7 +11,7 @@ use std::thread;
 
 use spindle_fiber::{
     current, current_id, sleep, yield_value, Fiber, FiberAttr, FiberError, FiberState, Priority, RunOutcome,
-    Schedule, ThreadToken, Waiter,
+    ThreadToken, Waiter,
 };
 
 fn other_thread_token() -> ThreadToken {
@@ -104,39 +104,7 @@ fn pin_to_on_a_sleeping_fiber_answers_as_for_a_started_one() {
 /// `run` and `set_function` do, and leave it unpinned.
 #[test]
 fn pin_to_on_a_stackless_fiber_says_no_stack() {
-    static STASH: Mutex<Option<Waiter>> = Mutex::new(None);
-    struct Home(Mutex<Vec<Fiber<()>>>);
-    impl Schedule<()> for Home {
-        fn schedule<'w>(
-            &self,
-            fiber: spindle_fiber::Woken<'w, ()>,
-        ) -> Result<(), spindle_fiber::Woken<'w, ()>> {
-            self.0.lock().unwrap().push(fiber.into_queued());
-            Ok(())
-        }
-    }
-    let home = Arc::new(Home(Mutex::new(Vec::new())));
-    let home_dyn: Arc<dyn Schedule<()>> = home.clone();
-    let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();
-    fiber
-        .set_function(Priority::NORMAL, || {
-            struct Keep;
-            impl Drop for Keep {
-                fn drop(&mut self) {
-                    *STASH.lock().unwrap() = Waiter::current();
-                }
-            }
-            let _keep = Keep;
-            sleep();
-        })
-        .unwrap();
-    fiber.mark_queued(Some(&home_dyn)).unwrap();
-    fiber.mark_dequeued().unwrap();
-    assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
-    drop(fiber);
-    STASH.lock().unwrap().take().unwrap().wake();
-    let fiber = home.0.lock().unwrap().pop().unwrap();
-    fiber.mark_dequeued().unwrap();
+    let fiber = stackless_fiber("stackless");
     let r = fiber.pin_to(other_thread_token());
     let (run, here) = (fiber.run(), fiber.may_run_here());
     assert!(matches!(run, Err(FiberError::NoStack(_))), "{run:?}");

@@ -84,3 +84,50 @@ impl Drop for DropCounter {
 
 #[allow(unused_imports)] // each test binary uses a subset
 pub use spindle_test_support::describe;
+
+/// A fiber left without a stack: its function slept, the fiber was dropped
+/// (so unwound) while a destructor on its stack kept a `Waiter`, and that
+/// waiter then woke it back to a home of its own. Returned `Ready` (taken
+/// out of that home), with no function and no stack.
+pub fn stackless_fiber(name: &str) -> spindle_fiber::Fiber<()> {
+    use spindle_fiber::{sleep, Fiber, FiberAttr, Priority, RunOutcome, Schedule, Waiter, Woken};
+    use std::sync::{Arc, Mutex};
+
+    struct Home(Mutex<Vec<Fiber<()>>>);
+    impl Schedule<()> for Home {
+        fn schedule<'w>(&self, fiber: Woken<'w, ()>) -> Result<(), Woken<'w, ()>> {
+            self.0.lock().unwrap().push(fiber.into_queued());
+            Ok(())
+        }
+    }
+    struct Keep(Arc<Mutex<Option<Waiter>>>);
+    impl Drop for Keep {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap() = Waiter::current();
+        }
+    }
+    let stash = Arc::new(Mutex::new(None));
+    let home = Arc::new(Home(Mutex::new(Vec::new())));
+    let home_dyn: Arc<dyn Schedule<()>> = home.clone();
+    let fiber = Fiber::<()>::new(FiberAttr::new().name(name)).unwrap();
+    let kept = stash.clone();
+    fiber
+        .set_function(Priority::NORMAL, move || {
+            let _keep = Keep(kept);
+            sleep();
+        })
+        .unwrap();
+    fiber.mark_queued(Some(&home_dyn)).unwrap();
+    fiber.mark_dequeued().unwrap();
+    assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+    drop(fiber); // unwound here; the destructor keeps a waiter
+    let waiter = stash
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the destructor kept a waiter");
+    waiter.wake();
+    let fiber = home.0.lock().unwrap().pop().expect("the wake scheduled it");
+    fiber.mark_dequeued().unwrap();
+    fiber
+}
