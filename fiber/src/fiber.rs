@@ -1546,13 +1546,14 @@ impl<T> Fiber<T> {
     ///
     /// # Errors
     ///
-    /// Nothing changes, and: [`AlreadyStarted`](FiberError::AlreadyStarted)
-    /// if the function has run on another thread (it stays there; also
-    /// while it sleeps),
+    /// Nothing changes, and the error says why:
+    /// [`AlreadyStarted`](FiberError::AlreadyStarted) if the function has
+    /// run on another thread (it stays there, also while it sleeps);
     /// [`Migratable`](FiberError::Migratable) for a function set with
     /// [`set_function_migratable`](Fiber::set_function_migratable) (it may
-    /// run anywhere), and as for [`run`](Fiber::run) a fiber with no
-    /// function, a finished one, or one that is running or queued, and [`NoStack`](FiberError::NoStack) as for `run`.
+    /// run anywhere); and, as [`run`](Fiber::run) says them, the errors
+    /// for a fiber with no function, a finished one, one that is running
+    /// or queued, and one without a stack.
     pub fn pin_to(&self, thread: ThreadToken) -> Result<(), FiberError> {
         let h = self.header();
         if let Err(found) = h.state.transition(FiberState::Ready, FiberState::Locked) {
