@@ -33,9 +33,10 @@
 //! 1. push the fiber (the queue's own synchronisation);
 //! 2. a SeqCst fence;
 //! 3. for an inbox push: if the owner's `parked` is true and a
-//!    compare-and-swap takes it to false, unpark it. For a spawn: the same for the target worker; if the target
-//!    is awake and no worker is searching for work, wake one parked worker so
-//!    it can steal (one, not all).
+//!    compare-and-swap takes it to false, unpark it. For a spawn: the same
+//!    for the target worker; if the target is awake and no worker is
+//!    searching for work, wake one parked worker so it can steal (one, not
+//!    all).
 //!
 //! Steps 1 (worker) and 2 (notifier) are SeqCst on both sides: either the
 //! worker's step 2 sees the pushed fiber, or the notifier's step 3 sees

@@ -19,11 +19,12 @@
 //! them (a worker that pops a fiber pinned to another sets it aside for
 //! that one). That spreads the fibers, not necessarily the work: the
 //! consumers race for one channel, and on a busy machine one worker's
-//! consumers can take nearly every number (the run counts show it). The workers keep popping until every fiber has finished,
-//! and only then stop: the worker that sees the last fiber end closes the
-//! queue, and every worker's `pop` returns `None` (a worker that stopped
-//! earlier would strand the fibers pinned to it). Migratable fibers, set
-//! with the `unsafe` `set_function_migratable`, may run on any worker.
+//! consumers can take nearly every number (the run counts show it). The
+//! workers keep popping until every fiber has finished, and only then
+//! stop: the worker that sees the last fiber end closes the queue, and
+//! every worker's `pop` returns `None` (a worker that stopped earlier would
+//! strand the fibers pinned to it). Migratable fibers, set with the
+//! `unsafe` `set_function_migratable`, may run on any worker.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,8 +1,9 @@
 //! Everything the public API allows, done to a handful of shared fibers by
 //! several threads at once: random runs, `set_function`s, wakes,
-//! interrupts, refused wakes and `take_back`, `abandon`, `pin_to`, queueing on user
-//! schedulers that sometimes refuse, re-homing, handles dropped (inside and
-//! outside `defer_releases`) and stolen for `run_mut`. The fibers' bodies
+//! interrupts, refused wakes and `take_back`, `abandon`, `pin_to`,
+//! queueing on user schedulers that sometimes refuse, re-homing, handles
+//! dropped (inside and outside `defer_releases`) and stolen for `run_mut`.
+//! The fibers' bodies
 //! yield, sleep on published waiters, wait on a semaphore (plainly and
 //! interruptibly), run nested fibers and suspend with them suspended,
 //! catch forced unwinds, panic, and have destructors that yield, wake
