@@ -3,9 +3,9 @@
 //! interrupts, refused wakes and `take_back`, `abandon`, `pin_to`,
 //! queueing on user schedulers that sometimes refuse, re-homing, handles
 //! dropped (inside and outside `defer_releases`) and stolen for `run_mut`.
-//! The fibers' bodies
-//! yield, sleep on published waiters, wait on a semaphore (plainly and
-//! interruptibly), run nested fibers and suspend with them suspended,
+//! The fibers' bodies yield, sleep on published waiters, wait on a
+//! semaphore (plainly and interruptibly), run nested fibers and suspend
+//! with them suspended,
 //! catch forced unwinds, panic, and have destructors that yield, wake
 //! themselves or look at the current fiber.
 //!
