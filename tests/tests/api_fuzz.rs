@@ -5,9 +5,8 @@
 //! dropped (inside and outside `defer_releases`) and stolen for `run_mut`.
 //! The fibers' bodies yield, sleep on published waiters, wait on a
 //! semaphore (plainly and interruptibly), run nested fibers and suspend
-//! with them suspended,
-//! catch forced unwinds, panic, and have destructors that yield, wake
-//! themselves or look at the current fiber.
+//! with them suspended, catch forced unwinds, panic, and have destructors
+//! that yield, wake themselves or look at the current fiber.
 //!
 //! What must hold: no call panics or aborts inside the library (a worker
 //! thread that panics fails the test), nothing hangs (a watchdog fails the
