@@ -970,22 +970,6 @@ impl<T: Send + 'static> Fiber<T> {
         unsafe { self.resume_claimed() }
     }
 
-    /// Whether this is the only reference to the fiber. With `&mut self`,
-    /// no other thread can make a new one meanwhile.
-    #[inline]
-    fn is_unique(&mut self) -> bool {
-        // SAFETY: we own a reference.
-        // No weak reference is ever made, so a count of one means exclusive.
-        if unsafe { self.inner.as_ref() }.refs.load(Ordering::Relaxed) != 1 {
-            return false;
-        }
-        // Pairs with the Release decrement of whoever dropped the last other
-        // reference: everything it did to the fiber happens before what we
-        // do next (the count is read Relaxed).
-        std::sync::atomic::fence(Ordering::Acquire);
-        true
-    }
-
     /// Switches into a claimed fiber and handles why it came back.
     ///
     /// # Safety
@@ -1212,6 +1196,54 @@ impl<T: Send + 'static> Fiber<T> {
         Ok(replaced)
     }
 
+    /// [`mark_queued`](Fiber::mark_queued) for a scheduler that holds this
+    /// handle by value or `&mut` (a push that takes the fiber): when it is
+    /// the fiber's only handle and no `Waiter` of it exists, nobody else can
+    /// reach the state, and the transition is a plain load and store
+    /// instead of a compare-and-swap. Otherwise it is `mark_queued`.
+    ///
+    /// ```
+    /// use spindle_fiber::{Fiber, FiberAttr, FiberState, Priority};
+    ///
+    /// let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+    /// fiber.set_function(Priority::NORMAL, || ()).unwrap();
+    /// fiber.mark_queued_mut(None).unwrap();
+    /// assert_eq!(fiber.state(), FiberState::Queued);
+    /// assert!(fiber.mark_queued_mut(None).is_err()); // queued already
+    /// fiber.mark_dequeued_mut().unwrap();
+    /// assert_eq!(fiber.state(), FiberState::Ready);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`mark_queued`](Fiber::mark_queued).
+    #[inline]
+    pub fn mark_queued_mut(
+        &mut self,
+        home: Option<&Arc<dyn Schedule<T>>>,
+    ) -> Result<Option<Arc<dyn Schedule<T>>>, FiberError> {
+        if !self.is_unique() {
+            return self.mark_queued(home);
+        }
+        let h = self.header();
+        match h.state.load() {
+            FiberState::Ready => {}
+            found => return Err(self.run_error(found)),
+        }
+        let mut replaced = None;
+        if let Some(home) = home {
+            // SAFETY: the only handle, held exclusively, on a `Ready` fiber:
+            // no one else can reach the slot (as `run_mut`).
+            let slot = unsafe { self.slot() };
+            if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
+                replaced = slot.home.replace(Arc::clone(home));
+            }
+        }
+        h.home_refused.store(false, Ordering::Relaxed);
+        h.state.store(FiberState::Queued);
+        Ok(replaced)
+    }
+
     /// For schedulers: sets the scheduler a wake sends this `Ready` fiber
     /// back to, without queueing it (e.g. after taking it from another
     /// worker's queue). Returns the home this replaced, if any, as
@@ -1339,6 +1371,22 @@ impl<T: Send + 'static> Fiber<T> {
 }
 
 impl<T> Fiber<T> {
+    /// Whether this is the only reference to the fiber. With `&mut self`,
+    /// no other thread can make a new one meanwhile.
+    #[inline]
+    fn is_unique(&mut self) -> bool {
+        // SAFETY: we own a reference.
+        // No weak reference is ever made, so a count of one means exclusive.
+        if unsafe { self.inner.as_ref() }.refs.load(Ordering::Relaxed) != 1 {
+            return false;
+        }
+        // Pairs with the Release decrement of whoever dropped the last other
+        // reference: everything it did to the fiber happens before what we
+        // do next (the count is read Relaxed).
+        std::sync::atomic::fence(Ordering::Acquire);
+        true
+    }
+
     /// Lets go of a `Ready` fiber this call held `Locked` without changing
     /// it: back to `Ready`, through its wait's hook if its home refused it
     /// (a value waker that found it held meanwhile left the value to
@@ -1412,6 +1460,30 @@ impl<T> Fiber<T> {
             })
     }
 
+    /// [`mark_dequeued`](Fiber::mark_dequeued) for a scheduler that holds
+    /// this handle by value or `&mut` (a pop that hands the fiber out): a
+    /// plain load and store when it is the fiber's only handle, as
+    /// [`mark_queued_mut`](Fiber::mark_queued_mut).
+    ///
+    /// # Errors
+    ///
+    /// As [`mark_dequeued`](Fiber::mark_dequeued).
+    #[inline]
+    pub fn mark_dequeued_mut(&mut self) -> Result<(), FiberError> {
+        if !self.is_unique() {
+            return self.mark_dequeued();
+        }
+        let h = self.header();
+        match h.state.load() {
+            FiberState::Queued => {
+                h.state.store(FiberState::Ready);
+                Ok(())
+            }
+            FiberState::Ready | FiberState::Empty | FiberState::Finished => Err(FiberError::NotQueued(h.id)),
+            other => Err(self.run_error(other)),
+        }
+    }
+
     /// For schedulers that shut down: lets go of a fiber they still hold,
     /// queued (`Queued`, taken out as [`mark_dequeued`](Fiber::mark_dequeued)
     /// does) or taken out to run (`Ready`), for good. The fiber is marked
@@ -1482,6 +1554,7 @@ impl<T> Fiber<T> {
     /// let f = fiber.clone();
     /// assert!(!std::thread::spawn(move || f.may_run_here()).join().unwrap());
     /// ```
+    #[inline]
     pub fn may_run_here(&self) -> bool {
         match self.header().pinned_to.load(Ordering::Relaxed) {
             0 => true,
@@ -1606,6 +1679,7 @@ impl<T> Fiber<T> {
     }
 
     /// Its priority.
+    #[inline]
     pub fn priority(&self) -> Priority {
         self.header().priority()
     }

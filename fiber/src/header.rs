@@ -288,6 +288,7 @@ impl Header {
             .store(crate::tls::thread_id_word(), Ordering::Relaxed);
     }
 
+    #[inline]
     pub(crate) fn priority(&self) -> crate::Priority {
         crate::Priority(self.priority.load(Ordering::Relaxed))
     }

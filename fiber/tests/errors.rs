@@ -200,6 +200,65 @@ fn a_queued_fiber_refuses_run_and_set_function_until_dequeued() {
     });
 }
 
+/// `mark_queued_mut` and `mark_dequeued_mut` (plain stores when the handle
+/// is the fiber's only one) give the same answers as `mark_queued` and
+/// `mark_dequeued` in every state, whether the handle is the only one or
+/// shared (then they are those calls), and with a `Waiter` alive (a
+/// counted reference: not unique either).
+#[test]
+fn the_exclusive_handle_transitions_answer_as_the_shared_ones() {
+    with_watchdog(30, "mark_mut", || {
+        for shared in [false, true] {
+            let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+            let other = shared.then(|| fiber.clone());
+            assert!(matches!(
+                fiber.mark_queued_mut(None),
+                Err(FiberError::NoFunction(_))
+            ));
+            assert!(matches!(fiber.mark_dequeued_mut(), Err(FiberError::NotQueued(_))));
+            fiber.set_function(Priority::NORMAL, || 1).unwrap();
+            assert!(matches!(fiber.mark_dequeued_mut(), Err(FiberError::NotQueued(_))));
+            assert!(fiber.mark_queued_mut(None).unwrap().is_none());
+            assert_eq!(fiber.state(), FiberState::Queued);
+            assert!(matches!(fiber.mark_queued_mut(None), Err(FiberError::Queued(_))));
+            assert!(matches!(fiber.run(), Err(FiberError::Queued(_))));
+            fiber.mark_dequeued_mut().unwrap();
+            assert_eq!(fiber.state(), FiberState::Ready);
+            assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
+            assert!(matches!(
+                fiber.mark_queued_mut(None),
+                Err(FiberError::Finished(_))
+            ));
+            assert!(matches!(fiber.mark_dequeued_mut(), Err(FiberError::NotQueued(_))));
+            drop(other);
+        }
+
+        // Asleep, its waiter held elsewhere: refused, and the waiter's wake
+        // still makes it `Ready` (the state was not touched).
+        let (waiter_tx, waiter_rx) = mpsc::channel();
+        let mut fiber = Fiber::new(FiberAttr::new()).unwrap();
+        fiber
+            .set_function(Priority::NORMAL, move || {
+                waiter_tx.send(spindle_fiber::Waiter::current().unwrap()).unwrap();
+                spindle_fiber::sleep();
+                2
+            })
+            .unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Slept));
+        let waiter = waiter_rx.recv().unwrap();
+        assert!(matches!(
+            fiber.mark_queued_mut(None),
+            Err(FiberError::Sleeping(_))
+        ));
+        assert!(matches!(fiber.mark_dequeued_mut(), Err(FiberError::Sleeping(_))));
+        waiter.wake();
+        assert_eq!(fiber.state(), FiberState::Ready);
+        fiber.mark_queued_mut(None).unwrap();
+        fiber.mark_dequeued_mut().unwrap();
+        assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(2)));
+    });
+}
+
 #[test]
 fn every_message_names_the_fiber_and_says_what_to_do() {
     let fiber = Fiber::<()>::new(FiberAttr::new()).unwrap();

@@ -92,12 +92,12 @@ impl<T> Levels<T> {
         Some(Priority((word * 64 + (63 - self.occupied[word].leading_zeros() as usize)) as u8))
     }
 
-    fn pop(&mut self) -> Option<Fiber<T>> {
-        let word = (0..4).rev().find(|&w| self.occupied[w] != 0)?;
-        let p = word * 64 + (63 - self.occupied[word].leading_zeros() as usize);
-        let fiber = self.fifos[p].pop_front();
+    /// The front of `level`, which `top` found non-empty.
+    fn pop_at(&mut self, level: Priority) -> Fiber<T> {
+        let p = level.0 as usize;
+        let fiber = self.fifos[p].pop_front().expect("an occupied level holds a fiber");
         if self.fifos[p].is_empty() {
-            self.occupied[word] &= !(1 << (p % 64));
+            self.occupied[p / 64] &= !(1 << (p % 64));
         }
         self.len -= 1;
         fiber
@@ -174,7 +174,7 @@ impl<T> Synced<T> {
                 }
                 (_, None) => break None,
                 (_, Some(level)) => {
-                    let f = self.heap.pop().expect("the heap has a top level");
+                    let f = self.heap.pop_at(level);
                     if f.may_run_here() {
                         break Some(f);
                     }
@@ -383,7 +383,7 @@ impl<T: Send + 'static> RunQueue<T> {
     /// not runnable: running, already queued, asleep, finished, or without a
     /// function; [`PushError::Closed`] once the queue is
     /// [closed](RunQueue::close).
-    pub fn try_push(&self, fiber: Fiber<T>) -> Result<(), PushError<T>> {
+    pub fn try_push(&self, mut fiber: Fiber<T>) -> Result<(), PushError<T>> {
         let mut synced = self.shared.synced.lock();
         if synced.closed {
             drop(synced);
@@ -401,7 +401,9 @@ impl<T: Send + 'static> RunQueue<T> {
             return Err(PushError::Full(fiber));
         }
         // Under the lock, so a fiber refused as full is never re-homed here.
-        let replaced = match fiber.mark_queued(Some(&self.home)) {
+        // Taken by value: usually its only handle, and then the transition
+        // is a plain store, not a compare-and-swap.
+        let replaced = match fiber.mark_queued_mut(Some(&self.home)) {
             Ok(replaced) => replaced,
             Err(e) => {
                 drop(synced);
@@ -583,7 +585,13 @@ impl<T: Send + 'static> RunQueue<T> {
             // Refused only if another handle queued (or marked) it
             // meanwhile: it is someone else's then.
             Ok(RunOutcome::Yielded(_)) => {
-                let _ = self.requeue(&fiber);
+                // `requeue`, with the handle still our own (usually the
+                // only one): the transition needs no compare-and-swap.
+                if let Ok(replaced) = fiber.mark_queued_mut(Some(&self.home)) {
+                    let synced = self.shared.synced.lock();
+                    self.shared.insert(synced, fiber.clone());
+                    drop(replaced);
+                }
             }
             Err(FiberError::WrongThread(_)) => self.wrong_thread(&fiber),
             _ => {}
@@ -731,12 +739,13 @@ impl<T> Shared<T> {
     /// hand while it was in the queue (`mark_dequeued` is public) is handed
     /// out as it is: running it reports its state instead of this panicking
     /// in the popper.
-    fn finish_pop(&self, (popped, set_aside): (Option<Fiber<T>>, bool)) -> Option<Fiber<T>> {
+    fn finish_pop(&self, (mut popped, set_aside): (Option<Fiber<T>>, bool)) -> Option<Fiber<T>> {
         if set_aside {
             self.not_empty.notify_all();
         }
-        if let Some(f) = &popped {
-            let _ = f.mark_dequeued();
+        // Out of the queue: usually the fiber's only handle (no compare-and-swap).
+        if let Some(f) = &mut popped {
+            let _ = f.mark_dequeued_mut();
         }
         popped
     }
@@ -790,7 +799,8 @@ impl<T> Drop for RunQueue<T> {
         }
         let drained: Vec<Fiber<T>> = {
             let mut synced = self.shared.synced.lock();
-            let mut all: Vec<Fiber<T>> = std::iter::from_fn(|| synced.heap.pop()).collect();
+            let mut all: Vec<Fiber<T>> =
+                std::iter::from_fn(|| synced.heap.top().map(|l| synced.heap.pop_at(l))).collect();
             all.extend(synced.elsewhere.drain(..).map(|(f, _)| f));
             all
         };

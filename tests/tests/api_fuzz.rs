@@ -2,7 +2,8 @@
 //! several threads at once: random runs, `set_function`s, wakes,
 //! interrupts, refused wakes and `take_back`, `abandon`, `pin_to`,
 //! queueing on user schedulers that sometimes refuse, re-homing, handles
-//! dropped (inside and outside `defer_releases`) and stolen for `run_mut`.
+//! dropped (inside and outside `defer_releases`) and stolen for `run_mut`
+//! and the exclusive-handle queue transitions (`mark_queued_mut`).
 //! The fibers' bodies yield, sleep on published waiters, wait on a
 //! semaphore (plainly and interruptibly), run nested fibers and suspend
 //! with them suspended, catch forced unwinds, panic, and have destructors
@@ -282,14 +283,21 @@ fn worker(world: Arc<World>, seed: u64) {
             }
             8 => {
                 let home: Arc<dyn Schedule<u64>> = world.homes[rng.below(2) as usize].clone();
-                if fiber.mark_queued(Some(&home)).is_ok() {
+                // Either form: `mark_queued_mut` on a second handle is the
+                // shared call (a slot keeps one), which must answer alike.
+                let queued = if rng.below(2) == 0 {
+                    fiber.mark_queued(Some(&home))
+                } else {
+                    fiber.clone().mark_queued_mut(Some(&home))
+                };
+                if queued.is_ok() {
                     world.homes[0].queue.lock().unwrap().push_back(fiber.clone());
                 }
             }
             9 => {
                 let popped = world.homes[rng.below(2) as usize].queue.lock().unwrap().pop_front();
-                if let Some(p) = popped {
-                    let _ = p.mark_dequeued();
+                if let Some(mut p) = popped {
+                    let _ = if rng.below(2) == 0 { p.mark_dequeued() } else { p.mark_dequeued_mut() };
                     if rng.below(2) == 0 {
                         world.outcomes.count(p.run());
                     }
@@ -336,6 +344,11 @@ fn worker(world: Arc<World>, seed: u64) {
                 let mut mine = world.slots[i].lock().unwrap().take();
                 drop(fiber);
                 if let Some(m) = mine.as_mut() {
+                    // Sometimes a round trip through the exclusive-handle
+                    // queue transitions first (plain stores when unique).
+                    if rng.below(4) == 0 && m.mark_queued_mut(None).is_ok() {
+                        let _ = m.mark_dequeued_mut();
+                    }
                     world.outcomes.count(m.run_mut());
                 }
                 *world.slots[i].lock().unwrap() = mine;
