@@ -332,9 +332,11 @@ impl Worker {
         let mut sleeping = me.sleeping.lock();
         let mut moved = 0;
         for class in 0..CLASSES {
-            while let Some(t) = inbox.q[class].pop_front() {
-                t.mark_dequeued().expect("a fiber in an inbox is Queued");
+            while let Some(mut t) = inbox.q[class].pop_front() {
+                // The sleeping list's handle goes first: then this one is
+                // usually the only one, and the transition a plain store.
                 sleeping.remove(&t.id());
+                t.mark_dequeued_mut().expect("a fiber in an inbox is Queued");
                 self.resumed[class].push_back(t);
                 moved += 1;
             }
