@@ -24,9 +24,11 @@
 //! Whoever moved the state out of `Ready`, `Sleeping`, `Empty` or `Finished`
 //! owns the fiber's slot until it stores the next state (Release); the next
 //! owner's successful CAS (Acquire) sees everything the previous one wrote.
-//! `Fiber::run_mut` claims `Ready` → `Running` without a CAS: its `&mut`
-//! handle is the only reference, and an Acquire fence after reading the
-//! count orders it after the previous owner's Release.
+//! `Fiber::run_mut` claims `Ready` → `Running` without a CAS, and
+//! `Fiber::mark_queued_mut` / `mark_dequeued_mut` move `Ready` ↔ `Queued`
+//! with a plain load and store: their `&mut` handle is the only
+//! reference, and an Acquire fence after reading the count orders them
+//! after the previous owner's Release.
 
 use crate::loom::sync::atomic::{AtomicU8, Ordering};
 
