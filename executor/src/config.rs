@@ -143,7 +143,8 @@ impl Builder {
     ///
     /// If `bytes` is outside
     /// [`MIN_STACK_SIZE`](spindle_fiber::MIN_STACK_SIZE)`..=`[`MAX_STACK_SIZE`](spindle_fiber::MAX_STACK_SIZE):
-    /// no fiber could be created, and every spawn would wait forever.
+    /// no fiber could be created, and every job's join would fail with
+    /// [`JoinError::NoStack`](crate::JoinError::NoStack).
     #[must_use = "Builder is a builder: call build() on the returned value"]
     pub fn stack_size(mut self, bytes: usize) -> Builder {
         assert!(
