@@ -158,14 +158,18 @@ impl Builder {
         self
     }
 
-    /// How often sysmon looks at the workers (default 250 µs). Sysmon never
-    /// naps for less than this between its regular looks (a timer deadline
-    /// or a wake can end a nap sooner), so nothing it watches is acted on
-    /// faster: a deadlock is confirmed after the larger of this and
+    /// How often sysmon looks at the workers (default 250 µs). While a
+    /// worker runs, or a deadlock is being confirmed, sysmon never naps for
+    /// less than this between its regular looks (a timer deadline or a wake
+    /// can end a nap sooner; with every worker parked it looks every 10 ms,
+    /// whatever this is), so nothing it watches is acted on faster: a
+    /// deadlock is confirmed after the larger of this and
     /// [`deadlock_grace`](Builder::deadlock_grace), and a time slice
-    /// shorter than two intervals is flagged up to an interval late. (Raise
-    /// it to spend less on sysmon; at 30 s, a deadlocked join is failed
-    /// after 30 s or more, and `yield_if_needed` yields every 30 s or so.)
+    /// shorter than two intervals is flagged up to an interval late. Timers
+    /// do not wait for a look: sysmon wakes for the earliest deadline.
+    /// (Raise it to spend less on sysmon while workers run; at 30 s, a
+    /// deadlocked join is failed after 30 s or more, and `yield_if_needed`
+    /// yields every 30 s or so.)
     ///
     /// # Panics
     ///
