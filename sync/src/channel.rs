@@ -238,7 +238,7 @@ impl<M> std::error::Error for Closed<M> {}
 /// `push` never waits for a receiver and allocates nothing itself (a woken
 /// receiver fiber goes back to its run queue, which may grow a buffer the
 /// first time a priority level is used). As with
-/// [`Semaphore::release`](crate::Semaphore), a woken receiver fiber with no
+/// [`Semaphore::release`](crate::Semaphore::release), a woken receiver fiber with no
 /// other reference and no run queue is dropped inside `push`: unwound there
 /// (its destructors run) on its own thread or if it may migrate, else its
 /// stack leaks, with the message it was handed. `pop` waits (a fiber sleeps, a thread parks)
