@@ -168,8 +168,9 @@ impl<T: Send> ScopedJoinHandle<'_, T> {
         self.inner.cancel()
     }
 
-    /// Ends a [`sleep`](crate::sleep) or [`yield_timeout`](crate::yield_timeout)
-    /// of the fiber early; see [`JoinHandle::wake`].
+    /// Ends a [`sleep`](crate::sleep), [`sleep_until`](crate::sleep_until)
+    /// or [`yield_timeout`](crate::yield_timeout) of the fiber early; see
+    /// [`JoinHandle::wake`].
     pub fn wake(&self) {
         self.inner.wake()
     }
