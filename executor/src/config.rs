@@ -17,9 +17,9 @@ pub(crate) struct Config {
     pub(crate) stats_at_shutdown: bool,
 }
 
-/// The most workers an executor runs (base or scaled up). Every possible
-/// worker has a slot from the start (about 11 KiB each), and more threads
-/// than this would only contend.
+/// The most workers an executor runs (base or scaled up). An executor
+/// allocates a slot for each of its [`Builder::max_workers`] up front
+/// (about 11 KiB each), and more threads than this would only contend.
 pub const MAX_WORKERS: usize = 1024;
 
 /// What deadlock detection does when it finds one (`Ignore`: detection is

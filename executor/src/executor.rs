@@ -104,7 +104,9 @@ impl SpawnOptions {
     /// The fiber's priority. The executor schedules by three classes, not
     /// by every level: high (`Priority::HIGH`, 192, and up), normal, and
     /// low (`Priority::LOW`, 64, and below); a
-    /// worker always takes work of a higher class first, FIFO within one.
+    /// worker takes work of a higher class first, FIFO within one (while a
+    /// job waits for a stack, every other round runs started fibers of any
+    /// class before it: they may free one).
     #[must_use = "SpawnOptions is a builder: pass the returned value to spawn_with"]
     pub fn priority(mut self, p: Priority) -> SpawnOptions {
         self.priority = p;

@@ -29,7 +29,8 @@
 //!   at most one worker.
 //! * Priorities: three classes (high: `Priority::HIGH` (192) and above,
 //!   low: `Priority::LOW` (64) and below, normal between); a worker
-//!   always takes work of a higher class first.
+//!   takes work of a higher class first (while a job waits for a stack,
+//!   every other round runs started fibers of any class before it).
 //! * `spindle-sync` primitives work unchanged inside: the executor
 //!   implements the fiber crate's wake seam.
 //! * A started fiber stays on the worker that started it (so safe code

@@ -135,11 +135,10 @@ pub fn yield_if_needed() {
 
 /// Puts the calling fiber to sleep for `d`. Outside an executor's fiber (on
 /// a thread, or in a fiber something else runs) the thread sleeps. (Not
-/// `spindle_fiber::sleep`, which waits for a `Waiter`.) The sysmon
-/// thread fires timers, waking for the earliest deadline (the sysmon
-/// interval does not round them): the timer fires once `d` has passed, as
-/// soon as the system wakes sysmon, and the fiber runs when its worker
-/// next picks it; a `d` too
+/// `spindle_fiber::sleep`, which waits for a `Waiter`.) Timers fire at
+/// their deadline: the sysmon thread wakes for the earliest one (its
+/// interval does not round them), and the fiber then runs when its worker
+/// next picks it. A `d` too
 /// large for a deadline (`Duration::MAX`) sleeps until woken
 /// ([`JoinHandle::wake`](crate::JoinHandle::wake)), cancelled or shut
 /// down, and while it sleeps its timer keeps deadlock detection off, as
