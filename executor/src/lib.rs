@@ -142,6 +142,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 #[cfg(feature = "tracing")]
 macro_rules! trace_event {

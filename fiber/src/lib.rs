@@ -75,6 +75,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 #[cfg(not(unix))]
 compile_error!("spindle-fiber supports unix targets only (mmap'd stacks, signal-based overflow reports)");

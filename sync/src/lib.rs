@@ -157,6 +157,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 /// `eprintln!` that cannot panic: a warning printed from a library thread
 /// or a drop must not fail (and kill that thread) when stderr is closed,
