@@ -222,7 +222,10 @@ impl<T> RunOutcome<T> {
 /// This trait is the only coupling between fibers and scheduling. A fiber
 /// remembers the scheduler it was last queued on (see
 /// [`Fiber::mark_queued`]); when a synchronisation primitive wakes it, it
-/// hands itself to that scheduler.
+/// hands itself to that scheduler. A scheduler that takes fibers by value
+/// (a push, a pop) can use [`Fiber::mark_queued_mut`] and
+/// [`Fiber::mark_dequeued_mut`] instead: the same transitions, without a
+/// compare-and-swap when its handle is the fiber's only one.
 ///
 /// A minimal scheduler: a FIFO behind a mutex, which refuses wakes once it
 /// is closed.
