@@ -828,7 +828,10 @@ pub struct WaitHook {
 impl WaitHook {
     /// A hook that runs `take_back` (its contract is on [`WaitHook`]).
     /// `take_back` gets a pointer to this hook: embed it first in a
-    /// `#[repr(C)]` struct of the primitive's to reach the rest.
+    /// `#[repr(C)]` struct of the primitive's to reach the rest, and make
+    /// the pointer given to [`WaitToken::enter_wait`] from the whole
+    /// struct (`NonNull::from(&whole).cast::<WaitHook>()`): one made from a
+    /// reference to the hook field alone may not reach the other fields.
     pub const fn new(
         take_back: unsafe fn(NonNull<WaitHook>, &mut dyn FnMut()) -> Option<Waiter>,
     ) -> WaitHook {

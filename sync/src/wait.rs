@@ -274,7 +274,8 @@ struct Hooked<S> {
 /// `hook` is the `hook` of a `Hooked<S>` in the frame of a fiber suspended
 /// in `wait` (the caller holds the fiber, so it stays suspended).
 unsafe fn take_back_hook<S>(hook: NonNull<WaitHook>, let_go: &mut dyn FnMut()) -> Option<Waiter> {
-    // SAFETY: the caller's contract; `hook` is the first field.
+    // SAFETY: the caller's contract; `hook` is the first field, and the
+    // pointer was made from the whole struct (see `wait`).
     let me = unsafe { hook.cast::<Hooked<S>>().as_ref() };
     // SAFETY: the node and the primitive outlive the wait, which the
     // fiber cannot leave while it is held.
@@ -494,7 +495,11 @@ pub(crate) fn wait<S, const INTERRUPTIBLE: bool>(
         // SAFETY: on the stack of the fiber the token names (it made the
         // node's waiter); the hook stays in this frame until `leave_wait`,
         // which every way out of it calls (`Linked` when unwinding).
-        unsafe { t.enter_wait(NonNull::from(&hooked.hook)) };
+        // The pointer is made from the whole `Hooked` (its first field is
+        // the hook): `take_back_hook` reads the other fields through it,
+        // which a pointer made from a reference to the field alone may not
+        // reach under Stacked Borrows.
+        unsafe { t.enter_wait(NonNull::from(&*hooked).cast::<WaitHook>()) };
     }
     let is_fiber = token.is_some();
     let leave_wait = || {
