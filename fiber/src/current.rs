@@ -45,16 +45,21 @@ pub(crate) fn thread_id() -> u64 {
 
 /// Runner side, just before switching into `h`: makes `h` the current
 /// fiber. Returns the fiber that was current, for [`exit`].
+///
+/// `h` points at the fiber's whole allocation (the `Inner` it heads), not
+/// just its header: code that finds the fiber through the current-fiber
+/// word reaches the reference count beside the header (`Waiter::current`),
+/// which a pointer made from a `&Header` may not do under Stacked Borrows.
 #[inline(always)]
-pub(crate) fn enter(h: &Header) -> *const Header {
-    tls::swap_current(h)
+pub(crate) fn enter(h: NonNull<Header>) -> *const Header {
+    tls::swap_current(h.as_ptr())
 }
 
 /// [`enter`], also returning this thread's id word (0 if the thread has no
 /// id yet: see [`thread_id`]), in one thread-local access.
 #[inline(always)]
-pub(crate) fn enter_on_thread(h: &Header) -> (*const Header, u64) {
-    tls::swap_current_read_thread_id(h)
+pub(crate) fn enter_on_thread(h: NonNull<Header>) -> (*const Header, u64) {
+    tls::swap_current_read_thread_id(h.as_ptr())
 }
 
 /// Runner side, once the fiber has switched out (yield, sleep, return,

@@ -993,7 +993,7 @@ impl<T: Send + 'static> Fiber<T> {
         };
         // Make this fiber current (the overflow handler then knows whose
         // guard page to check) and read the thread's id in the same access.
-        let (prev, me) = enter_on_thread(h);
+        let (prev, me) = enter_on_thread(self.inner.cast());
         // `pin` is the thread of this function's last run (`NO_PIN`: none
         // yet), and then also `last_thread`: one compare covers the common
         // case (a thread with no id yet reads 0, which is never a pin).
@@ -2017,7 +2017,7 @@ unsafe fn release_last<T>(ptr: NonNull<Inner<T>>) {
         // that never ran a fiber (a migratable one dropped anywhere): give it
         // an alternate signal stack, or an overflow there goes unreported.
         crate::overflow::ensure_altstack();
-        let prev = enter(&inner.header);
+        let prev = enter(ptr.cast());
         let unwound = catch_unwind(AssertUnwindSafe(|| coro.force_unwind()));
         // SAFETY: the same thread as `enter`.
         unsafe { exit(prev) };
