@@ -177,14 +177,20 @@ fn raw_channel_carries_a_trailing_payload_block() {
     watchdog("raw_channel_carries_a_trailing_payload_block", 30, |_stage| {
         let chan = Arc::new(RawChannel::new());
         let mut block = Box::new(Block { hdr: MsgHeader::new(std::ptr::null_mut(), 0), payload: [0; 64] });
-        // SAFETY: `payload` directly follows `hdr` in the repr(C) struct
-        // (MsgHeader's size is a multiple of the payload's alignment).
-        unsafe { MsgHeader::init_trailing(&mut block.hdr, 64) };
-        assert_eq!(block.hdr.buf, block.payload.as_mut_ptr());
-        assert_eq!(block.hdr.len, 64);
         block.payload[..5].copy_from_slice(b"hello");
         block.payload[63] = 0xAB;
         let raw = Box::into_raw(block);
+        // SAFETY: `payload` directly follows `hdr` in the repr(C) struct
+        // (MsgHeader's size is a multiple of the payload's alignment), and
+        // the header pointer is derived from the whole block, so that its
+        // `buf` may reach the payload (one made from `&mut block.hdr` covers
+        // the header only). Nothing touches the block through the `Box`
+        // after this.
+        unsafe {
+            MsgHeader::init_trailing(std::ptr::addr_of_mut!((*raw).hdr), 64);
+            assert_eq!((*raw).hdr.buf, std::ptr::addr_of_mut!((*raw).payload).cast::<u8>());
+            assert_eq!((*raw).hdr.len, 64);
+        }
 
         let queue = RunQueue::<(usize, Vec<u8>)>::new(1);
         let rx = chan.clone();
