@@ -679,7 +679,7 @@ impl<T> Drop for JoinHandle<T> {
         }
         self.task.detached.store(true, Ordering::Relaxed);
         // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
-        let value = unsafe { self.task.prefix::<T>() }.result.lock().take();
+        let value = unsafe { self.task.result::<T>() }.lock().take();
         if value.is_some() && std::thread::panicking() {
             // A handle dropped while its thread unwinds: a panic of the
             // value's drop would abort the process. Contained instead.
@@ -773,7 +773,7 @@ impl<T: Send> JoinHandle<T> {
             task.detached.store(true, Ordering::Relaxed);
         }
         // SAFETY: JoinHandle<T> is only made for TaskCell<T, _> tasks.
-        if let Some(v) = unsafe { task.prefix::<T>() }.result.lock().take() {
+        if let Some(v) = unsafe { task.result::<T>() }.lock().take() {
             return Ok(v);
         }
         Err(task.error.lock().take().map_or_else(

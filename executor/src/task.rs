@@ -530,14 +530,19 @@ impl TaskRef {
         unsafe { (self.vtable.drop_job)(self.0) }
     }
 
-    /// The typed part of the task.
+    /// The task's value slot (the typed part a `JoinHandle<T>` reads).
     ///
     /// # Safety
     /// The task was created as a `TaskCell<T, _>` of this `T`.
-    pub(crate) unsafe fn prefix<T>(&self) -> &TaskPrefix<T> {
+    pub(crate) unsafe fn result<T>(&self) -> &Mutex<Option<T>> {
         // SAFETY: TaskCell<T, F> starts with the fields of TaskPrefix<T>
-        // (both repr(C)).
-        unsafe { &*(self.0.as_ptr() as *const TaskPrefix<T>) }
+        // (both repr(C)). Only the field is borrowed, through a raw place:
+        // a reference to a whole `TaskPrefix<T>` would also cover its
+        // trailing padding, which in the cell may be the closure slot
+        // (`job`) that the worker writes while the handle looks (Stacked
+        // and Tree Borrows count the reference's creation as a read of all
+        // the bytes it covers).
+        unsafe { &*std::ptr::addr_of!((*self.0.as_ptr().cast::<TaskPrefix<T>>()).result) }
     }
 
     /// The address `into_raw` gives for this task (without a reference).
