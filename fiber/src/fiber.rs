@@ -1182,14 +1182,8 @@ impl<T: Send + 'static> Fiber<T> {
         h.state
             .transition(FiberState::Ready, FiberState::Locked)
             .map_err(|s| self.run_error(s))?;
-        let mut replaced = None;
-        if let Some(home) = home {
-            // SAFETY: we hold the state `Locked`.
-            let slot = unsafe { self.slot() };
-            if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
-                replaced = slot.home.replace(Arc::clone(home));
-            }
-        }
+        // SAFETY: we hold the state `Locked`.
+        let replaced = Self::replace_home(unsafe { self.slot() }, home);
         // Queued by someone: not refused (any more), whatever its home.
         h.home_refused.store(false, Ordering::Relaxed);
         h.state.store(FiberState::Queued);
@@ -1197,6 +1191,17 @@ impl<T: Send + 'static> Fiber<T> {
         // reference, its drop runs whatever it owns, which must not find
         // this fiber `Locked`.
         Ok(replaced)
+    }
+
+    /// Makes `home` the slot's home (`None` keeps the one it has) and hands
+    /// back the home it replaced, for the caller to drop once the fiber is
+    /// no longer `Locked`.
+    fn replace_home(slot: &mut Slot<T>, home: Option<&Arc<dyn Schedule<T>>>) -> Option<Arc<dyn Schedule<T>>> {
+        let home = home?;
+        if slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
+            return None;
+        }
+        slot.home.replace(Arc::clone(home))
     }
 
     /// [`mark_queued`](Fiber::mark_queued) for a scheduler that holds this
@@ -1233,15 +1238,9 @@ impl<T: Send + 'static> Fiber<T> {
             FiberState::Ready => {}
             found => return Err(self.run_error(found)),
         }
-        let mut replaced = None;
-        if let Some(home) = home {
-            // SAFETY: the only handle, held exclusively, on a `Ready` fiber:
-            // no one else can reach the slot (as `run_mut`).
-            let slot = unsafe { self.slot() };
-            if !slot.home.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, home)) {
-                replaced = slot.home.replace(Arc::clone(home));
-            }
-        }
+        // SAFETY: the only handle, held exclusively, on a `Ready` fiber: no
+        // one else can reach the slot (as `run_mut`).
+        let replaced = Self::replace_home(unsafe { self.slot() }, home);
         h.home_refused.store(false, Ordering::Relaxed);
         h.state.store(FiberState::Queued);
         Ok(replaced)
