@@ -37,23 +37,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::watchdog;
+use common::{watchdog, Rng};
 use spindle_executor::{sleep, yield_now, Executor, JoinError, JoinHandle};
 use spindle_fiber::{Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_sync::{Channel, Semaphore};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Counts when dropped.
 struct Guard(Arc<AtomicUsize>);

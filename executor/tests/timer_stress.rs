@@ -15,32 +15,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::Rng;
 use spindle_executor::sync::Semaphore;
 use spindle_executor::{
     interrupt_after, interrupt_at, sleep, sleep_until, yield_now, yield_timeout, Executor, JoinHandle,
 };
 use spindle_test_support::watchdog_with_progress;
-
-#[derive(Clone)]
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-        for _ in 0..4 {
-            r.next();
-        }
-        r
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)

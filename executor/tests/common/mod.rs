@@ -145,3 +145,31 @@ pub fn run_in_a_child_with(
 pub fn is_child(child_env: &str) -> bool {
     std::env::var(child_env).is_ok_and(|v| v == "1")
 }
+
+/// A xorshift generator for the randomized stress tests (a seed gives the
+/// same run every time).
+#[derive(Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// A generator from any seed (mixed, never zero).
+    pub fn new(seed: u64) -> Rng {
+        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        for _ in 0..4 {
+            r.next();
+        }
+        r
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
