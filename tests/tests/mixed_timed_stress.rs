@@ -79,6 +79,50 @@ fn meddler(
 
 /// Runs, by hand, fibers left `Ready` (refused or abandoned by their
 /// dropped queue): a handle of their own runs them anyway.
+/// The middle of a shutdown round: the queues are closed, their workers
+/// joined and the queues dropped while fibers sleep on the primitive; in one
+/// round of four a rescuer thread then runs the fibers left `Ready` by hand.
+fn drop_queues(
+    queues: Vec<RunQueue<()>>,
+    workers: Vec<JoinHandle<()>>,
+    fibers: &[Fiber<()>],
+    round: u64,
+    what: &str,
+    stage: &common::Stage,
+) -> Rescue {
+    for q in &queues {
+        q.close();
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    drop(queues);
+    stage.set(format!("{what} round {round}: queues dropped"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = (round % 4 == 1).then(|| rescuer(fibers.to_vec(), stop.clone()));
+    Rescue { stop, thread }
+}
+
+/// The rescuer of a shutdown round, if it has one.
+struct Rescue {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Rescue {
+    /// With a rescuer, waits until every fiber's life has ended, then stops it.
+    fn finish(self, lives: &Lives, fibers: usize, round: u64, what: &str, stage: &common::Stage) {
+        if let Some(r) = self.thread {
+            stage.set(format!("{what} round {round}: rescued fibers finishing"));
+            while lives.exited.load(SeqCst) < fibers {
+                std::thread::yield_now();
+            }
+            self.stop.store(true, SeqCst);
+            r.join().unwrap();
+        }
+    }
+}
+
 fn rescuer(fibers: Vec<Fiber<()>>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
     std::thread::spawn(move || {
         while !stop.load(SeqCst) {
@@ -203,16 +247,7 @@ fn mutex_round(round: u64, shutdown: bool, stage: &common::Stage) {
     }
     if shutdown {
         // Workers stop with fibers asleep; then the queues go.
-        for q in &queues {
-            q.close();
-        }
-        for w in workers {
-            w.join().unwrap();
-        }
-        drop(queues);
-        stage.set(format!("mutex round {round}: queues dropped"));
-        let stop_rescuer = Arc::new(AtomicBool::new(false));
-        let resc = (round % 4 == 1).then(|| rescuer(fibers.clone(), stop_rescuer.clone()));
+        let rescue = drop_queues(queues, workers, &fibers, round, "mutex", stage);
         let now = ctx.locks.load(SeqCst);
         // Threads must still get the lock past the orphaned fibers.
         while ctx.locks.load(SeqCst) < now + 500 {
@@ -225,14 +260,7 @@ fn mutex_round(round: u64, shutdown: bool, stage: &common::Stage) {
         stop_meddler.store(true, SeqCst);
         med.join().unwrap();
         stop_fibers.store(true, SeqCst);
-        if let Some(r) = resc {
-            stage.set(format!("mutex round {round}: rescued fibers finishing"));
-            while ctx.lives.exited.load(SeqCst) < fibers.len() {
-                std::thread::yield_now();
-            }
-            stop_rescuer.store(true, SeqCst);
-            r.join().unwrap();
-        }
+        rescue.finish(&ctx.lives, fibers.len(), round, "mutex", stage);
         drop(fibers);
     } else {
         stop_threads.store(true, SeqCst);
@@ -442,28 +470,12 @@ fn channel_round(round: u64, shutdown: bool, stage: &common::Stage) {
         while ctx.got.load(SeqCst) < N / 3 && !ctx.chan.is_closed() {
             std::thread::yield_now();
         }
-        for q in &queues {
-            q.close();
-        }
-        for w in workers {
-            w.join().unwrap();
-        }
-        drop(queues);
-        stage.set(format!("channel round {round}: queues dropped"));
-        let stop_rescuer = Arc::new(AtomicBool::new(false));
-        let resc = (round % 4 == 1).then(|| rescuer(fibers.clone(), stop_rescuer.clone()));
+        let rescue = drop_queues(queues, workers, &fibers, round, "channel", stage);
         // Producer fibers may be stranded: close for them.
         for p in producers {
             p.join().unwrap();
         }
-        if let Some(r) = resc {
-            stage.set(format!("channel round {round}: rescued fibers finishing"));
-            while ctx.lives.exited.load(SeqCst) < fibers.len() {
-                std::thread::yield_now();
-            }
-            stop_rescuer.store(true, SeqCst);
-            r.join().unwrap();
-        }
+        rescue.finish(&ctx.lives, fibers.len(), round, "channel", stage);
         ctx.chan.close();
     } else {
         for p in producers {
