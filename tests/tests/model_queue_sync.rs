@@ -3,8 +3,10 @@
 //! a simple reference model (what the docs promise), shrunk by proptest to
 //! a minimal failing sequence when a step disagrees.
 //!
-//! The run queue, channels, semaphore and mutex are driven from the
-//! test's thread alone, through their forms that do not wait.
+//! The run queue, channels, semaphore and mutex are first driven from
+//! the test's thread alone, through their forms that do not wait; then
+//! fibers wait on each primitive, run one at a time from a run queue, while
+//! the thread releases, pushes, closes and interrupts.
 //!
 //! Each property runs its whole proptest loop under a watchdog: a step
 //! that blocks where the model says it cannot fails the test with the
@@ -29,7 +31,7 @@ use proptest::test_runner::{FileFailurePersistence, TestCaseResult, TestRunner};
 use common::{watchdog_with_progress, Counted, DropCounter};
 use spindle_fiber::{yield_value, Fiber, FiberAttr, FiberError, FiberId, FiberState, Priority, RunOutcome};
 use spindle_run_queue::{PushError, RunQueue, RunQueueStats};
-use spindle_sync::{Channel, Closed, Msg, MsgHeader, Mutex, RawChannel, Semaphore, TimedOut};
+use spindle_sync::{Channel, Closed, Interrupted, Msg, MsgHeader, Mutex, RawChannel, Semaphore, TimedOut};
 
 /// Usable stack of every fiber here: they only yield and return.
 const STACK: usize = 16 * 1024;
@@ -1078,4 +1080,677 @@ fn mutex_case(ops: Vec<MutexOp>) -> TestCaseResult {
 #[test]
 fn mutex_follows_the_lock_model() {
     check("mutex_follows_the_lock_model", 256, mutex_ops, mutex_case);
+}
+
+// ---------------------------------------------------------------------------
+// Fibers waiting on the primitives
+// ---------------------------------------------------------------------------
+
+/// What a waiting fiber's function returns: a message (channels), nothing
+/// (semaphores, mutexes), or `Interrupted`.
+type Got = Result<Option<u64>, Interrupted>;
+
+/// A step of a fiber waiting on a primitive, the fibers run one at a time
+/// by `run_next` from a run queue on the test's thread.
+#[derive(Debug, Clone)]
+enum WaitOp<T> {
+    /// A new fiber at `prio` that waits once (in the plain or the
+    /// interruptible form; a plain wait on a semaphore with `wake_prio`
+    /// is `acquire_with_priority`), pushed on the run queue.
+    Spawn {
+        prio: u8,
+        interruptible: bool,
+        wake_prio: Option<u8>,
+    },
+    RunNext,
+    /// `Fiber::interrupt` of one of the fibers spawned so far.
+    Interrupt(Index),
+    /// Closes the run queue: later spawns are refused, while wakes and
+    /// yields still come back to it.
+    CloseQueue,
+    /// Something the test's thread does to the primitive.
+    Thread(T),
+}
+
+fn wait_ops<T: Debug + Clone>(thread: impl Strategy<Value = T>) -> impl Strategy<Value = Vec<WaitOp<T>>> {
+    let op = prop_oneof![
+        3 => (priority(), any::<bool>(), prop::option::of(priority()))
+            .prop_map(|(prio, interruptible, wake_prio)| WaitOp::Spawn { prio, interruptible, wake_prio }),
+        4 => Just(WaitOp::RunNext),
+        1 => any::<Index>().prop_map(WaitOp::Interrupt),
+        1 => Just(WaitOp::CloseQueue),
+        3 => thread.prop_map(WaitOp::Thread),
+    ];
+    prop::collection::vec(op, 1..50)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Queued, its function not started.
+    Fresh,
+    /// Its wait node is linked on the primitive's list (asleep, or queued
+    /// by a wake).
+    Linked,
+    /// Holds the mutex, yielded (mutex fibers only).
+    Holding,
+    /// Its function returned.
+    Done,
+}
+
+#[derive(Debug)]
+struct WaiterModel {
+    prio: u8,
+    /// The priority a waker that hands it something gives it.
+    wake_prio: Option<u8>,
+    interruptible: bool,
+    /// An interrupt is pending (for its current function).
+    marked: bool,
+    phase: Phase,
+    in_queue: bool,
+    /// What a waker handed it (`Some(None)`: a token, a lock, or a close).
+    handed: Option<Option<u64>>,
+}
+
+/// The fibers, the run queue (one FIFO per priority, highest first) and
+/// the primitive's wait list, as the model sees them.
+#[derive(Default)]
+struct Waits {
+    /// Non-empty levels only.
+    queue: BTreeMap<u8, VecDeque<usize>>,
+    /// Linked wait nodes, oldest first.
+    waiters: VecDeque<usize>,
+    queue_closed: bool,
+    fibers: Vec<WaiterModel>,
+    handles: Vec<Fiber<Got>>,
+}
+
+/// What running a fiber should come back with.
+#[derive(Debug, PartialEq)]
+enum Expect {
+    Slept,
+    Yielded,
+    Returned(Got),
+}
+
+impl Waits {
+    /// The fiber goes to the back of its level of the run queue, unless
+    /// it is queued (then it keeps its place).
+    fn wake(&mut self, tag: usize) {
+        let f = &mut self.fibers[tag];
+        if !std::mem::replace(&mut f.in_queue, true) {
+            self.queue.entry(f.prio).or_default().push_back(tag);
+        }
+    }
+
+    /// The next fiber `run_next` takes.
+    fn next(&mut self) -> Option<usize> {
+        let mut level = self.queue.last_entry()?;
+        let tag = level.get_mut().pop_front().expect("levels in the model are non-empty");
+        if level.get().is_empty() {
+            level.remove();
+        }
+        self.fibers[tag].in_queue = false;
+        Some(tag)
+    }
+
+    fn queued(&self) -> usize {
+        self.queue.values().map(VecDeque::len).sum()
+    }
+
+    /// A waker hands `value` to the oldest linked waiter, if any, which
+    /// takes the priority it asked to be woken at, then wakes it.
+    fn hand_first(&mut self, value: Option<u64>) -> bool {
+        let Some(tag) = self.waiters.pop_front() else { return false };
+        let f = &mut self.fibers[tag];
+        f.handed = Some(value);
+        if let Some(p) = f.wake_prio {
+            f.prio = p;
+        }
+        self.wake(tag);
+        true
+    }
+
+    /// `Fiber::interrupt`: marks a fiber whose function runs, and wakes it
+    /// if it sleeps (a plain wait sleeps again, keeping its place).
+    fn interrupt(&mut self, tag: usize) {
+        let f = &mut self.fibers[tag];
+        if f.phase == Phase::Done {
+            return;
+        }
+        f.marked = true;
+        if f.phase == Phase::Linked {
+            self.wake(tag);
+        }
+    }
+
+    /// A running fiber found nothing for it: an interruptible wait with an
+    /// interrupt pending ends (unlinked), else it sleeps (linked at the
+    /// tail if it was not linked).
+    fn wait_or_interrupted(&mut self, tag: usize) -> Expect {
+        let f = &mut self.fibers[tag];
+        if f.interruptible && f.marked {
+            f.marked = false;
+            f.phase = Phase::Done;
+            self.waiters.retain(|&t| t != tag);
+            return Expect::Returned(Err(Interrupted));
+        }
+        if f.phase != Phase::Linked {
+            f.phase = Phase::Linked;
+            self.waiters.push_back(tag);
+        }
+        Expect::Slept
+    }
+
+    /// A linked fiber that runs takes what it was handed.
+    fn take_handed(&mut self, tag: usize) -> Option<Option<u64>> {
+        let f = &mut self.fibers[tag];
+        if f.phase == Phase::Linked {
+            f.handed.take()
+        } else {
+            None
+        }
+    }
+
+    /// Every fiber's state and the queue's length against the model.
+    fn check(&self, queue: &RunQueue<Got>) -> TestCaseResult {
+        prop_assert_eq!(queue.len(), self.queued(), "run queue length");
+        for (tag, (f, h)) in self.fibers.iter().zip(&self.handles).enumerate() {
+            let expected = match f.phase {
+                Phase::Done => FiberState::Finished,
+                _ if f.in_queue => FiberState::Queued,
+                Phase::Linked => FiberState::Sleeping,
+                other => unreachable!("a {other:?} fiber is always queued"),
+            };
+            prop_assert_eq!(h.state(), expected, "fiber {} ({:?})", tag, f);
+            prop_assert_eq!(h.priority(), Priority(f.prio), "fiber {} ({:?})", tag, f);
+        }
+        Ok(())
+    }
+}
+
+type Body = Box<dyn FnOnce() -> Got + Send>;
+
+/// One primitive with fibers waiting on it, and its model.
+trait WaitModel {
+    type Op: Debug + Clone;
+    /// The function of fiber `tag`: one wait, in the form asked for, and
+    /// the priority it asks to be woken at (if the primitive has that
+    /// form).
+    fn body(&self, tag: usize, interruptible: bool, wake_prio: Option<u8>) -> (Body, Option<u8>);
+    /// The model's step for running fiber `tag`, popped from the queue.
+    fn run(&mut self, w: &mut Waits, tag: usize) -> Expect;
+    fn thread(&mut self, w: &mut Waits, op: Self::Op) -> TestCaseResult;
+    /// The primitive's counts against the model.
+    fn check(&self, w: &Waits) -> TestCaseResult;
+    /// Wakes every linked waiter (release, unlock, close), at the end.
+    fn wind_down(&mut self, w: &mut Waits) -> TestCaseResult;
+}
+
+fn run_next_waiter<M: WaitModel>(queue: &RunQueue<Got>, w: &mut Waits, model: &mut M) -> TestCaseResult {
+    let ran = queue.run_next();
+    let Some(tag) = w.next() else {
+        prop_assert!(
+            ran.is_none(),
+            "run_next ran {:?} from a queue the model has empty",
+            ran.map(|r| r.fiber.id())
+        );
+        return Ok(());
+    };
+    let Some(ran) = ran else {
+        return Err(TestCaseError::fail(format!("run_next found nothing, expected {tag}")));
+    };
+    prop_assert_eq!(ran.fiber.id(), w.handles[tag].id(), "run_next ran another fiber than {}", tag);
+    let expected = model.run(w, tag);
+    let got = match ran.outcome {
+        Ok(RunOutcome::Slept) => Expect::Slept,
+        Ok(RunOutcome::Yielded(t)) if t == tag => Expect::Yielded,
+        Ok(RunOutcome::Returned(r)) => Expect::Returned(r),
+        other => return Err(TestCaseError::fail(format!("fiber {tag}: unexpected {other:?}"))),
+    };
+    prop_assert_eq!(&got, &expected, "running fiber {}", tag);
+    if got == Expect::Yielded {
+        w.wake(tag);
+    }
+    Ok(())
+}
+
+fn waits_case<M: WaitModel>(model: &mut M, ops: Vec<WaitOp<M::Op>>) -> TestCaseResult {
+    let queue = RunQueue::<Got>::new(1 << 16);
+    let mut w = Waits::default();
+    for (step, op) in ops.into_iter().enumerate() {
+        let at_step = |e: TestCaseError| TestCaseError::fail(format!("step {step}: {e}"));
+        match op {
+            WaitOp::Spawn { prio, interruptible, wake_prio } => {
+                let tag = w.fibers.len();
+                let fiber = Fiber::new(FiberAttr::new().stack_size(STACK)).expect("creating a fiber");
+                let (body, wake_prio) = model.body(tag, interruptible, wake_prio);
+                fiber.set_function(Priority(prio), body).expect("set_function");
+                let handle = fiber.clone();
+                match queue.try_push(fiber) {
+                    Ok(()) => prop_assert!(!w.queue_closed, "step {step}: a closed run queue took a fiber"),
+                    Err(PushError::Closed(_)) if w.queue_closed => continue,
+                    Err(e) => return Err(TestCaseError::fail(format!("step {step}: try_push: {e:?}"))),
+                }
+                w.handles.push(handle);
+                w.fibers.push(WaiterModel {
+                    prio,
+                    wake_prio,
+                    interruptible,
+                    marked: false,
+                    phase: Phase::Fresh,
+                    in_queue: false,
+                    handed: None,
+                });
+                w.wake(tag);
+            }
+            WaitOp::RunNext => run_next_waiter(&queue, &mut w, model).map_err(at_step)?,
+            WaitOp::Interrupt(at) => {
+                if !w.handles.is_empty() {
+                    let tag = at.index(w.handles.len());
+                    w.handles[tag].interrupt();
+                    w.interrupt(tag);
+                }
+            }
+            WaitOp::CloseQueue => {
+                prop_assert_eq!(queue.close(), !w.queue_closed);
+                w.queue_closed = true;
+            }
+            WaitOp::Thread(op) => model.thread(&mut w, op).map_err(at_step)?,
+        }
+        w.check(&queue).map_err(at_step)?;
+        model.check(&w).map_err(at_step)?;
+    }
+    // Every waiter gets what it waits for, and every fiber finishes.
+    let winding_down = |e: TestCaseError| TestCaseError::fail(format!("winding down: {e}"));
+    loop {
+        while !w.queue.is_empty() {
+            run_next_waiter(&queue, &mut w, model).map_err(winding_down)?;
+            w.check(&queue).map_err(winding_down)?;
+            model.check(&w).map_err(winding_down)?;
+        }
+        if w.waiters.is_empty() {
+            break;
+        }
+        model.wind_down(&mut w).map_err(winding_down)?;
+        prop_assert!(!w.queue.is_empty(), "winding down woke none of the waiters {:?}", w.waiters);
+    }
+    for (tag, f) in w.fibers.iter().enumerate() {
+        prop_assert_eq!(f.phase, Phase::Done, "fiber {} did not finish", tag);
+    }
+    Ok(())
+}
+
+/// A semaphore with fiber waiters, and the thread's `release`/`try_acquire`.
+struct SemWaits {
+    sem: Arc<Semaphore>,
+    tokens: usize,
+}
+
+#[derive(Debug, Clone)]
+enum SemThreadOp {
+    Release(usize),
+    TryAcquire,
+    /// `acquire_timeout(Duration::ZERO)`: a thread's timed wait that
+    /// gives up at once.
+    AcquireZero,
+}
+
+impl WaitModel for SemWaits {
+    type Op = SemThreadOp;
+
+    fn body(&self, _tag: usize, interruptible: bool, wake_prio: Option<u8>) -> (Body, Option<u8>) {
+        let s = self.sem.clone();
+        let wake_prio = wake_prio.filter(|_| !interruptible);
+        let body = Box::new(move || {
+            match (interruptible, wake_prio) {
+                (true, _) => return s.acquire_interruptible().map(|()| None),
+                (false, None) => s.acquire(),
+                (false, Some(p)) => s.acquire_with_priority(Priority(p)),
+            }
+            Ok(None)
+        });
+        (body, wake_prio)
+    }
+
+    fn run(&mut self, w: &mut Waits, tag: usize) -> Expect {
+        if w.take_handed(tag).is_some() {
+            w.fibers[tag].phase = Phase::Done;
+            return Expect::Returned(Ok(None));
+        }
+        if w.fibers[tag].phase == Phase::Fresh && self.tokens > 0 {
+            // A token there is taken, an interrupt pending or not.
+            self.tokens -= 1;
+            w.fibers[tag].phase = Phase::Done;
+            return Expect::Returned(Ok(None));
+        }
+        w.wait_or_interrupted(tag)
+    }
+
+    fn thread(&mut self, w: &mut Waits, op: SemThreadOp) -> TestCaseResult {
+        match op {
+            SemThreadOp::Release(n) => {
+                self.sem.release(n);
+                // Waiters first, oldest first; the rest are counted.
+                for _ in 0..n {
+                    if !w.hand_first(None) {
+                        self.tokens += 1;
+                    }
+                }
+            }
+            SemThreadOp::TryAcquire | SemThreadOp::AcquireZero => {
+                let got = match op {
+                    SemThreadOp::TryAcquire => self.sem.try_acquire(),
+                    _ => self.sem.acquire_timeout(Duration::ZERO),
+                };
+                prop_assert_eq!(got, self.tokens > 0, "{:?} with {} tokens", op, self.tokens);
+                self.tokens = self.tokens.saturating_sub(1);
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, w: &Waits) -> TestCaseResult {
+        prop_assert_eq!(self.sem.available(), self.tokens, "available");
+        prop_assert_eq!(self.sem.waiters(), w.waiters.len(), "waiters");
+        Ok(())
+    }
+
+    fn wind_down(&mut self, w: &mut Waits) -> TestCaseResult {
+        self.thread(w, SemThreadOp::Release(w.waiters.len()))
+    }
+}
+
+/// Fibers of random priorities waiting on a semaphore (`acquire`,
+/// `acquire_interruptible`, `acquire_with_priority`; interrupted at
+/// random), run one at a time by `run_next` (the run queue may be closed
+/// meanwhile: wakes and yields still come back to it), while the thread
+/// releases, `try_acquire`s and gives up timed waits at once: `release(n)`
+/// hands tokens to the oldest waiters first, each woken onto the queue at
+/// the priority it asked for (one already queued by an interrupt keeps
+/// its place, with the new priority), and counts the rest; fibers run by
+/// priority, FIFO among equals; a token there is taken at once, even with
+/// an interrupt pending; an interrupted interruptible waiter leaves the
+/// list with `Interrupted` unless a token was handed to it before it ran;
+/// an interrupted plain waiter sleeps on at its place; `available`,
+/// `waiters` and every fiber's state and priority follow the model, and
+/// in the end every waiter gets a token.
+#[test]
+fn semaphore_waiters_follow_the_fifo_model() {
+    check(
+        "semaphore_waiters_follow_the_fifo_model",
+        128,
+        || {
+            wait_ops(prop_oneof![
+                3 => (0usize..3).prop_map(SemThreadOp::Release),
+                1 => Just(SemThreadOp::TryAcquire),
+                1 => Just(SemThreadOp::AcquireZero),
+            ])
+        },
+        |ops| {
+            let mut model = SemWaits { sem: Arc::new(Semaphore::new(0)), tokens: 0 };
+            waits_case(&mut model, ops)
+        },
+    );
+}
+
+/// A mutex with fiber lockers (each locks, bumps the value, yields holding
+/// the lock, then unlocks) and the thread's `try_lock` and unlock.
+struct MutexWaits<'a> {
+    mutex: &'a Arc<Mutex<u64>>,
+    guard: Option<spindle_sync::MutexGuard<'a, u64>>,
+    locked: bool,
+    value: u64,
+}
+
+#[derive(Debug, Clone)]
+enum MutexThreadOp {
+    TryLock,
+    /// `lock_timeout(Duration::ZERO)`: a thread's timed wait that gives
+    /// up at once.
+    LockZero,
+    Unlock,
+}
+
+impl MutexWaits<'_> {
+    /// The lock goes to the oldest waiter, or is unlocked.
+    fn unlocked(&mut self, w: &mut Waits) {
+        if !w.hand_first(None) {
+            self.locked = false;
+        }
+    }
+}
+
+impl WaitModel for MutexWaits<'_> {
+    type Op = MutexThreadOp;
+
+    fn body(&self, tag: usize, interruptible: bool, _: Option<u8>) -> (Body, Option<u8>) {
+        let m = self.mutex.clone();
+        let body = Box::new(move || {
+            let mut g = if interruptible { m.lock_interruptible()? } else { m.lock() };
+            *g += 1;
+            yield_value(tag);
+            drop(g);
+            Ok(None)
+        });
+        (body, None)
+    }
+
+    fn run(&mut self, w: &mut Waits, tag: usize) -> Expect {
+        if w.fibers[tag].phase == Phase::Holding {
+            self.unlocked(w);
+            w.fibers[tag].phase = Phase::Done;
+            return Expect::Returned(Ok(None));
+        }
+        let handed = w.take_handed(tag).is_some();
+        if handed || (w.fibers[tag].phase == Phase::Fresh && !self.locked) {
+            self.locked = true;
+            self.value += 1;
+            w.fibers[tag].phase = Phase::Holding;
+            return Expect::Yielded;
+        }
+        w.wait_or_interrupted(tag)
+    }
+
+    fn thread(&mut self, w: &mut Waits, op: MutexThreadOp) -> TestCaseResult {
+        match op {
+            MutexThreadOp::TryLock | MutexThreadOp::LockZero => {
+                let got = match op {
+                    MutexThreadOp::TryLock => self.mutex.try_lock(),
+                    _ => self.mutex.lock_timeout(Duration::ZERO),
+                };
+                prop_assert_eq!(got.is_some(), !self.locked, "{:?}, locked {}", op, self.locked);
+                if let Some(g) = got {
+                    prop_assert_eq!(*g, self.value, "the value the last holder left");
+                    self.locked = true;
+                    self.guard = Some(g);
+                }
+            }
+            MutexThreadOp::Unlock => {
+                if self.guard.take().is_some() {
+                    self.unlocked(w);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, w: &Waits) -> TestCaseResult {
+        prop_assert_eq!(self.mutex.is_locked(), self.locked, "is_locked");
+        prop_assert_eq!(self.mutex.waiters(), w.waiters.len(), "waiters");
+        Ok(())
+    }
+
+    fn wind_down(&mut self, w: &mut Waits) -> TestCaseResult {
+        prop_assert!(self.guard.is_some(), "fibers wait for a lock nobody holds: {:?}", w.waiters);
+        self.thread(w, MutexThreadOp::Unlock)
+    }
+}
+
+/// Fibers of random priorities locking a mutex (plain and interruptible,
+/// interrupted at random, each holding the lock across a yield), run one
+/// at a time by `run_next`, while the thread `try_lock`s, gives up a timed
+/// lock at once, and unlocks: the lock is handed to the oldest waiter
+/// (fair: a free mutex with waiters is never seen), a free mutex is taken
+/// at once even with an interrupt pending, an interrupted interruptible
+/// waiter leaves with `Interrupted` unless the lock was handed to it
+/// first, the thread's attempts succeed iff the model's mutex is free,
+/// every holder sees the value the last one left, `is_locked`, `waiters`
+/// and every fiber's state follow the model, and in the end every locker
+/// gets the lock.
+#[test]
+fn mutex_waiters_follow_the_fair_lock_model() {
+    check(
+        "mutex_waiters_follow_the_fair_lock_model",
+        128,
+        || {
+            wait_ops(prop_oneof![
+                2 => Just(MutexThreadOp::TryLock),
+                1 => Just(MutexThreadOp::LockZero),
+                3 => Just(MutexThreadOp::Unlock),
+            ])
+        },
+        |ops| {
+            let mutex = Arc::new(Mutex::new(0u64));
+            let mut model = MutexWaits { mutex: &mutex, guard: None, locked: false, value: 0 };
+            waits_case(&mut model, ops)?;
+            drop(model.guard.take());
+            prop_assert_eq!(*mutex.try_lock().expect("free at the end"), model.value);
+            Ok(())
+        },
+    );
+}
+
+/// A channel with fiber receivers, and the thread's push, `try_pop` and
+/// close.
+struct ChanWaits {
+    chan: Arc<Channel<u64>>,
+    messages: VecDeque<u64>,
+    closed: bool,
+    next: u64,
+}
+
+#[derive(Debug, Clone)]
+enum ChanThreadOp {
+    Push,
+    TryPop,
+    /// `pop_timeout(Duration::ZERO)`: a thread's timed wait that gives up
+    /// at once.
+    PopZero,
+    Close,
+}
+
+impl WaitModel for ChanWaits {
+    type Op = ChanThreadOp;
+
+    fn body(&self, _tag: usize, interruptible: bool, _: Option<u8>) -> (Body, Option<u8>) {
+        let c = self.chan.clone();
+        let body = Box::new(move || {
+            if interruptible {
+                c.pop_interruptible().map(|m| m.map(Msg::into_inner))
+            } else {
+                Ok(c.pop().map(Msg::into_inner))
+            }
+        });
+        (body, None)
+    }
+
+    fn run(&mut self, w: &mut Waits, tag: usize) -> Expect {
+        if let Some(value) = w.take_handed(tag) {
+            w.fibers[tag].phase = Phase::Done;
+            return Expect::Returned(Ok(value));
+        }
+        if w.fibers[tag].phase == Phase::Fresh && (self.closed || !self.messages.is_empty()) {
+            // Queued messages first, then the close, then an interrupt.
+            w.fibers[tag].phase = Phase::Done;
+            return Expect::Returned(Ok(self.messages.pop_front()));
+        }
+        w.wait_or_interrupted(tag)
+    }
+
+    fn thread(&mut self, w: &mut Waits, op: ChanThreadOp) -> TestCaseResult {
+        match op {
+            ChanThreadOp::Push => {
+                self.next += 1;
+                match self.chan.push(Msg::new(self.next)) {
+                    Ok(()) => {
+                        prop_assert!(!self.closed, "a closed channel took a message");
+                        // To the longest-waiting receiver, else queued.
+                        if !w.hand_first(Some(self.next)) {
+                            self.messages.push_back(self.next);
+                        }
+                    }
+                    Err(Closed(m)) => {
+                        prop_assert!(self.closed, "an open channel refused a message");
+                        prop_assert_eq!(*m, self.next);
+                    }
+                }
+            }
+            ChanThreadOp::TryPop => {
+                let got = self.chan.try_pop().map(Msg::into_inner);
+                prop_assert_eq!(got, self.messages.pop_front(), "try_pop");
+            }
+            ChanThreadOp::PopZero => {
+                let got = self.chan.pop_timeout(Duration::ZERO).map(|m| m.map(Msg::into_inner));
+                let expected = match self.messages.pop_front() {
+                    None if !self.closed => Err(TimedOut),
+                    front => Ok(front),
+                };
+                prop_assert_eq!(got, expected, "pop_timeout(0)");
+            }
+            ChanThreadOp::Close => {
+                prop_assert_eq!(self.chan.close(), !self.closed, "close says whether it closed the channel");
+                self.closed = true;
+                // Every waiting receiver is woken with `None`.
+                while w.hand_first(None) {}
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, w: &Waits) -> TestCaseResult {
+        prop_assert_eq!(self.chan.len(), self.messages.len(), "len");
+        prop_assert_eq!(self.chan.receivers(), w.waiters.len(), "receivers");
+        prop_assert_eq!(self.chan.is_closed(), self.closed, "is_closed");
+        Ok(())
+    }
+
+    fn wind_down(&mut self, w: &mut Waits) -> TestCaseResult {
+        self.thread(w, ChanThreadOp::Close)
+    }
+}
+
+/// Fiber receivers of random priorities on a channel (plain and
+/// interruptible `pop`, interrupted at random), run one at a time by
+/// `run_next`, while the thread pushes, `try_pop`s, gives up timed pops at
+/// once, and closes: a push hands its message to the longest-waiting
+/// receiver or queues it; a receiver takes a queued message at once,
+/// else `None` from a closed channel, before a pending interrupt; an
+/// interrupted interruptible receiver leaves with `Interrupted` unless a
+/// message (or the close) reached it first; `close` wakes every waiting
+/// receiver with `None` and refuses later pushes (handing the message
+/// back); `len`, `receivers` and `is_closed` follow the model, and every
+/// receiver finishes once the channel is closed.
+#[test]
+fn channel_receivers_follow_the_fifo_model() {
+    check(
+        "channel_receivers_follow_the_fifo_model",
+        128,
+        || {
+            wait_ops(prop_oneof![
+                4 => Just(ChanThreadOp::Push),
+                1 => Just(ChanThreadOp::TryPop),
+                1 => Just(ChanThreadOp::PopZero),
+                1 => Just(ChanThreadOp::Close),
+            ])
+        },
+        |ops| {
+            let mut model = ChanWaits {
+                chan: Arc::new(Channel::new()),
+                messages: VecDeque::new(),
+                closed: false,
+                next: 0,
+            };
+            waits_case(&mut model, ops)
+        },
+    );
 }
