@@ -376,6 +376,7 @@ impl<T: Send, F: FnOnce() -> T + Send> TaskCell<T, F> {
         // SAFETY: h is the head of a live TaskCell<T, F>; the job slot is
         // touched only by the one worker that starts or drops the task.
         let cell = unsafe { &*(h.as_ptr() as *const Self) };
+        // SAFETY: as above: this worker is the only one touching the slot.
         let f = unsafe { (*cell.job.get()).take() }.expect("a task's closure runs once");
         let value = f();
         *cell.result.lock() = Some(value);

@@ -367,10 +367,13 @@ impl Worker {
         me.hot.running_task.store(fiber.sched_data(), Ordering::Relaxed);
         let panicking_at_resume = std::thread::panicking();
         me.hot.panicking_at_resume.store(panicking_at_resume, Ordering::Relaxed);
-        // SAFETY (both uses below): the sched word holds a counted
-        // reference to the task until `take_task`, which runs after this
-        // (in `finish`, `drain` or `cancel_orphan`), never during the run.
-        let task = |raw: usize| unsafe { TaskRef::borrow_raw(raw) };
+        // The sched word holds a counted reference to the task until
+        // `take_task`, which runs after this (in `finish`, `drain` or
+        // `cancel_orphan`), never during the run.
+        let task = |raw: usize| {
+            // SAFETY: as above, for both uses below.
+            unsafe { TaskRef::borrow_raw(raw) }
+        };
         let raw = fiber.sched_data();
         if !panicking_at_resume && raw != 0 && task(raw).unwinding.load(Ordering::Relaxed) {
             // A fiber stuck in the middle of an unwind keeps the thread

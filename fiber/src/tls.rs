@@ -288,6 +288,7 @@ mod tests {
             // headers.
             unsafe { set_current(a) };
             assert_eq!(current(), a);
+            // SAFETY: null is "no fiber", never read as a header.
             unsafe { set_current(std::ptr::null()) };
             assert!(current().is_null());
         };

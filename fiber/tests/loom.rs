@@ -36,6 +36,9 @@
 //! without a wake, never run on two threads at once.
 
 #![cfg(loom)]
+// The unsafe blocks here are accesses to loom's `UnsafeCell`s, which loom
+// itself checks: a racing access fails the model.
+#![allow(clippy::undocumented_unsafe_blocks)]
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};

@@ -165,6 +165,8 @@ fn the_alternate_stack_given_to_a_foreign_thread_is_unmapped_when_it_exits() {
             assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(5)));
             // SAFETY: querying this thread's alternate signal stack.
             let mut st: libc::stack_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `st` is a valid `stack_t` for the kernel to fill.
+            // SAFETY: `st` is a valid `stack_t` for the kernel to fill.
             assert_eq!(unsafe { libc::sigaltstack(std::ptr::null(), &mut st) }, 0);
             assert_eq!(
                 st.ss_flags & libc::SS_DISABLE,
@@ -490,6 +492,7 @@ fn the_alternate_stack_given_to_a_foreign_thread_has_a_guard_page() {
         assert!(matches!(fiber.run().unwrap(), RunOutcome::Returned(1)));
         // SAFETY: querying this thread's alternate stack.
         let mut st: libc::stack_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a valid `stack_t` for the kernel to fill.
         assert_eq!(unsafe { libc::sigaltstack(std::ptr::null(), &mut st) }, 0);
         assert_eq!(
             st.ss_flags & libc::SS_DISABLE,
