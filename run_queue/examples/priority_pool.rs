@@ -27,7 +27,7 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use spindle_fiber::{set_current_priority, yield_now, Fiber, FiberAttr, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
-use spindle_sync::{Channel, Msg, Semaphore};
+use spindle_sync::{Channel, Msg, Semaphore, WaitGroup};
 
 const PRIORITIES: [(&str, Priority); 4] = [
     ("highest", Priority::HIGHEST),
@@ -75,16 +75,20 @@ fn main() {
     let queue: RunQueue = RunQueue::new(fibers);
     let tasks: Arc<Vec<Channel<Task>>> = Arc::new(PRIORITIES.iter().map(|_| Channel::new()).collect());
     let pending = Arc::new(Semaphore::new(0));
-    let exited = Arc::new(Semaphore::new(0));
+    // Each fiber holds a member of the group until its function ends.
+    let running = WaitGroup::new();
     let rank = Arc::new(AtomicUsize::new(0));
     // (class, completion rank, worker) for every task.
     let log = Arc::new(Mutex::new(Vec::new()));
 
     for i in 0..fibers {
         let fiber = Fiber::new(FiberAttr::new().stack_size(64 * 1024).name(format!("pool-{i}"))).unwrap();
-        let (tasks, pending, exited, rank, log) =
-            (tasks.clone(), pending.clone(), exited.clone(), rank.clone(), log.clone());
+        let (tasks, pending, member, rank, log) =
+            (tasks.clone(), pending.clone(), running.clone(), rank.clone(), log.clone());
         let body = move || {
+            // Dropped when the function ends, by a return or a panic's
+            // unwind: the group then counts this fiber as done.
+            let _member = member;
             loop {
                 pending.acquire();
                 let (class, msg) = tasks
@@ -106,7 +110,6 @@ fn main() {
                 log.lock().unwrap().push((class, r, worker_index()));
             }
             set_current_priority(Priority::LOWEST);
-            exited.release(1);
         };
         // SAFETY: the fiber holds no !Send value and no thread-local
         // reference across a suspension point: the Msg, the Arcs and plain
@@ -131,7 +134,7 @@ fn main() {
     let start = Arc::new(Barrier::new(workers + 1));
     let counts: Vec<_> = (0..workers)
         .map(|w| {
-            let (queue, start, exited) = (queue.clone(), start.clone(), exited.clone());
+            let (queue, start) = (queue.clone(), start.clone());
             std::thread::spawn(move || {
                 WORKER.with(|c| c.set(w));
                 start.wait();
@@ -142,13 +145,10 @@ fn main() {
                     match queue.run_popped(fiber).outcome {
                         Err(e) => panic!("worker {w}: {e}"),
                         // The panic comes back here; the worker goes on.
-                        // The fiber will not report its exit, so report
-                        // it for it (its task is missing from the log,
-                        // which the check below then says).
-                        Ok(RunOutcome::Panicked(p)) => {
-                            eprintln!("worker {w}: {p}");
-                            exited.release(1);
-                        }
+                        // The unwind gave up the fiber's group member (its
+                        // task is missing from the log, which the check
+                        // below then says).
+                        Ok(RunOutcome::Panicked(p)) => eprintln!("worker {w}: {p}"),
                         Ok(_) => {}
                     }
                     ran += 1;
@@ -162,13 +162,11 @@ fn main() {
     // Stop messages are released only now, so that no fiber stops early.
     pending.release(fibers);
 
-    // The main thread waits on a semaphore that fibers release: threads and
-    // fibers share the primitives.
-    for _ in 0..fibers {
-        exited.acquire();
-    }
-    // Every fiber has reported its exit, its last step: none can come back
-    // to the queue now, so closing it ends every worker's loop.
+    // The main thread waits for a group whose members are the fibers:
+    // threads and fibers share the primitives.
+    running.wait();
+    // Every fiber's function has ended: none can come back to the queue
+    // now, so closing it ends every worker's loop.
     queue.close();
     let runs: Vec<usize> = counts.into_iter().map(|h| h.join().unwrap()).collect();
 

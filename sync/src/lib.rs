@@ -1,5 +1,6 @@
-//! Fiber-aware synchronisation: a counting [`Semaphore`], a [`Mutex`] and
-//! unbounded [`Channel`]s of caller-owned messages.
+//! Fiber-aware synchronisation: a counting [`Semaphore`], a [`Mutex`],
+//! unbounded [`Channel`]s of caller-owned messages and a [`WaitGroup`] to
+//! wait until a set of fibers has ended.
 //!
 //! Waiters are fibers or ordinary threads. A fiber that has to wait goes to
 //! sleep ([`spindle_fiber::sleep`]) linked into the primitive's wait list
@@ -173,8 +174,10 @@ mod channel;
 mod mutex;
 mod semaphore;
 mod wait;
+mod wait_group;
 
 pub use channel::{Channel, Closed, Msg, MsgHeader, RawChannel};
 pub use mutex::{Mutex, MutexGuard};
 pub use semaphore::Semaphore;
 pub use wait::{Interrupted, TimedOut};
+pub use wait_group::WaitGroup;

@@ -1,0 +1,189 @@
+//! `WaitGroup`: wait until every clone of a group is gone.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use spindle_fiber::WaitReason;
+
+use crate::{Interrupted, Semaphore};
+
+/// What a fiber waiting in [`WaitGroup::wait`] waits for, as
+/// [`Fiber::wait_site`](spindle_fiber::Fiber::wait_site) and deadlock
+/// reports show it.
+static WAIT_REASON: WaitReason = WaitReason("a wait group");
+
+/// Waits until every member of a group has finished: each member holds a
+/// clone of the `WaitGroup`, and [`wait`](WaitGroup::wait) returns once
+/// all the clones are gone. A fiber waits by sleeping, a thread by
+/// parking, like every wait of this crate.
+///
+/// A member finishes by dropping its clone, so a fiber whose function
+/// moved a clone in finishes when its function ends, whether it returns
+/// or panics (the unwind drops the closure's captures), and when a fiber
+/// suspended with one is dropped (its stack is unwound). That makes a
+/// group the way to learn that a set of fibers run by your own workers
+/// has ended, for instance before you [`close`] their run queue.
+///
+/// [`close`]: https://docs.rs/spindle-run-queue/latest/spindle_run_queue/struct.RunQueue.html#method.close
+///
+/// ```
+/// # std::thread::spawn(|| { // a watchdog: a hang fails the example
+/// #     std::thread::sleep(std::time::Duration::from_secs(60));
+/// #     eprintln!("watchdog: this example did not finish within 60 s");
+/// #     std::process::exit(1)
+/// # });
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+/// use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority};
+/// use spindle_sync::WaitGroup;
+///
+/// let group = WaitGroup::new();
+/// let done = Arc::new(AtomicUsize::new(0));
+/// let workers: Vec<_> = (0..3)
+///     .map(|_| {
+///         let (member, done) = (group.clone(), done.clone());
+///         std::thread::spawn(move || {
+///             // A fiber per thread, pinned there; the clone is the fiber's.
+///             let fiber = Fiber::new(FiberAttr::new()).unwrap();
+///             fiber.set_function(Priority::NORMAL, move || {
+///                 let _member = member; // dropped when the function ends
+///                 yield_now();
+///                 done.fetch_add(1, Ordering::Relaxed);
+///             }).unwrap();
+///             while fiber.run().is_ok() {}
+///         })
+///     })
+///     .collect();
+/// group.wait(); // this thread parks until the three fibers have ended
+/// assert_eq!(done.load(Ordering::Relaxed), 3);
+/// # for w in workers { w.join().unwrap(); }
+/// ```
+///
+/// Several may wait: each waiter gives up its own clone and returns once
+/// the count of clones is zero.
+pub struct WaitGroup {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Live clones.
+    count: AtomicUsize,
+    /// No token until `count` reaches zero, then [`OPEN`] of them: every
+    /// waiter asleep then is woken at once, and every later one takes one
+    /// without waiting.
+    done: Semaphore,
+}
+
+/// Tokens a finished group holds: more than there can ever be waiters.
+/// (Handing one token on from waiter to waiter instead would make a
+/// thread's wait depend on fibers that got the token first: found by
+/// `every_waiter_gets_through`, where those fibers' queue is run by the
+/// waiting thread itself.)
+const OPEN: usize = usize::MAX / 2;
+
+impl WaitGroup {
+    /// A group of one: this handle. Clone it for each member.
+    pub fn new() -> WaitGroup {
+        WaitGroup { inner: Arc::new(Inner { count: AtomicUsize::new(1), done: Semaphore::new(0) }) }
+    }
+
+    /// Gives up this handle and waits until no other is left: a fiber
+    /// sleeps, a thread parks. Returns at once when this was the last.
+    ///
+    /// In a fiber that is being dropped, the wait is
+    /// [`Semaphore::acquire`]'s, with the same rules.
+    #[track_caller]
+    pub fn wait(self) {
+        let inner = self.leave();
+        inner.done.acquire_for(&WAIT_REASON);
+    }
+
+    /// Like [`wait`](WaitGroup::wait), but a fiber that is interrupted
+    /// ([`Fiber::interrupt`](spindle_fiber::Fiber::interrupt)) stops
+    /// waiting.
+    ///
+    /// # Errors
+    ///
+    /// [`Interrupted`] if the fiber was interrupted before the group was
+    /// done (the handle is given up either way), as
+    /// [`Semaphore::acquire_interruptible`] says.
+    #[track_caller]
+    pub fn wait_interruptible(self) -> Result<(), Interrupted> {
+        let inner = self.leave();
+        inner.done.acquire_interruptible_for(&WAIT_REASON)
+    }
+
+    /// Like [`wait`](WaitGroup::wait), for a thread that waits at most
+    /// `timeout`: `true` if the group was done in time. The handle is
+    /// given up either way.
+    ///
+    /// ```
+    /// use spindle_sync::WaitGroup;
+    /// use std::time::Duration;
+    ///
+    /// let group = WaitGroup::new();
+    /// let member = group.clone();
+    /// assert!(!group.clone().wait_timeout(Duration::from_millis(10))); // `member` is alive
+    /// drop(member);
+    /// assert!(group.wait_timeout(Duration::from_millis(10)));
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// In a fiber, as [`Semaphore::acquire_timeout`] does (a fiber uses
+    /// [`wait_interruptible`](WaitGroup::wait_interruptible) under its
+    /// scheduler's deadline instead).
+    #[track_caller]
+    #[must_use = "the wait may time out; check whether the group was done"]
+    pub fn wait_timeout(self, timeout: Duration) -> bool {
+        let inner = self.leave();
+        inner.done.acquire_timeout(timeout)
+    }
+
+    /// Handles of this group alive now, this one included. A snapshot:
+    /// other threads may clone or drop theirs at any moment.
+    pub fn count(&self) -> usize {
+        self.inner.count.load(Ordering::Acquire)
+    }
+
+    /// Drops this handle and returns the shared part to wait on.
+    fn leave(self) -> Arc<Inner> {
+        let inner = self.inner.clone();
+        drop(self);
+        inner
+    }
+}
+
+impl Default for WaitGroup {
+    fn default() -> WaitGroup {
+        WaitGroup::new()
+    }
+}
+
+impl Clone for WaitGroup {
+    fn clone(&self) -> WaitGroup {
+        // A clone is made from a live handle, so the count is not zero and
+        // cannot reach zero meanwhile: `Relaxed` is enough, as for `Arc`.
+        self.inner.count.fetch_add(1, Ordering::Relaxed);
+        WaitGroup { inner: self.inner.clone() }
+    }
+}
+
+impl Drop for WaitGroup {
+    fn drop(&mut self) {
+        // Release: what this member did happens before the wait returns.
+        // Acquire (for the last): the token then carries every member's
+        // work through the semaphore's lock to the waiters.
+        if self.inner.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.inner.done.release(OPEN);
+        }
+    }
+}
+
+impl fmt::Debug for WaitGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WaitGroup").field("count", &self.count()).finish()
+    }
+}
