@@ -422,12 +422,22 @@ pub(crate) fn thread_deadline(timeout: std::time::Duration, what: &str) -> Optio
 /// threads (nothing in this crate could wake a fiber at its deadline).
 #[track_caller]
 pub(crate) fn refuse_in_fiber(what: &str) {
+    refuse_in_fiber_instead(
+        what,
+        "the interruptible wait under your scheduler's deadline (spindle-executor: interrupt_after, \
+         interrupt_at), or the try_ method in a loop of your own",
+    );
+}
+
+/// [`refuse_in_fiber`], saying what a fiber uses `instead` (for a type
+/// whose way round differs: a wait group has no `try_` method).
+#[track_caller]
+pub(crate) fn refuse_in_fiber_instead(what: &str, instead: &str) {
     if spindle_fiber::may_sleep() {
         panic!(
             "spindle_sync: {what} called in a fiber: a sleeping fiber can only be woken at a deadline \
              by its scheduler's clock, which this crate does not have, so timed waits are for threads. \
-             In a fiber, use the interruptible wait under your scheduler's deadline (spindle-executor: \
-             interrupt_after, interrupt_at), or the try_ method in a loop of your own"
+             In a fiber, use {instead}"
         );
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use spindle_fiber::WaitReason;
 
+use crate::wait::refuse_in_fiber_instead;
 use crate::{Interrupted, Semaphore};
 
 /// What a fiber waiting in [`WaitGroup::wait`] waits for, as
@@ -132,12 +133,21 @@ impl WaitGroup {
     ///
     /// # Panics
     ///
-    /// In a fiber, as [`Semaphore::acquire_timeout`] does (a fiber uses
-    /// [`wait_interruptible`](WaitGroup::wait_interruptible) under its
-    /// scheduler's deadline instead).
+    /// In a fiber that may sleep, as [`Semaphore::acquire_timeout`] does
+    /// (a fiber uses [`wait_interruptible`](WaitGroup::wait_interruptible)
+    /// under its scheduler's deadline instead); the unwind gives up the
+    /// handle. A fiber that is being dropped waits as a thread does.
     #[track_caller]
     #[must_use = "the wait may time out; check whether the group was done"]
     pub fn wait_timeout(self, timeout: Duration) -> bool {
+        // Before leaving, and naming this method: the semaphore's own
+        // refusal would name `Semaphore::acquire_timeout` and point to a
+        // `try_` method that a group does not have.
+        refuse_in_fiber_instead(
+            "WaitGroup::wait_timeout",
+            "WaitGroup::wait_interruptible under your scheduler's deadline (spindle-executor: \
+             interrupt_after, interrupt_at)",
+        );
         let inner = self.leave();
         inner.done.acquire_timeout(timeout)
     }

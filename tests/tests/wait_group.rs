@@ -174,6 +174,33 @@ fn an_interrupted_waiter_leaves_the_group() {
     });
 }
 
+/// `wait_timeout` in a fiber panics naming itself and what a fiber uses
+/// instead (not the semaphore it is built on, nor a `try_` method a group
+/// does not have); the unwind gives up the fiber's handle.
+#[test]
+fn a_timed_wait_in_a_fiber_panics_naming_the_group() {
+    watchdog("a_timed_wait_in_a_fiber_panics_naming_the_group", 60, |_| {
+        let group = WaitGroup::new();
+        let g = group.clone();
+        let waiter: Fiber<bool> = fiber(Priority::NORMAL, move || g.wait_timeout(Duration::from_secs(30)));
+        match waiter.run() {
+            Ok(RunOutcome::Panicked(p)) => {
+                let msg = p.message().unwrap_or_default().to_owned();
+                assert!(
+                    msg.contains("WaitGroup::wait_timeout called in a fiber")
+                        && msg.contains("WaitGroup::wait_interruptible")
+                        && !msg.contains("Semaphore")
+                        && !msg.contains("try_"),
+                    "{msg}"
+                );
+            }
+            other => panic!("expected the panic, got {other:?}"),
+        }
+        assert_eq!(group.count(), 1, "the unwind gave up the fiber's handle");
+        assert!(group.wait_timeout(Duration::from_secs(30)));
+    });
+}
+
 /// Members on other threads' fibers: each worker thread runs its own
 /// pinned fibers, and the main thread's wait ends after every one.
 #[test]
