@@ -27,6 +27,15 @@ static WAIT_REASON: WaitReason = WaitReason("a wait group");
 /// group the way to learn that a set of fibers run by your own workers
 /// has ended, for instance before you [`close`] their run queue.
 ///
+/// A clone that is never dropped keeps the group from finishing, and every
+/// wait on it from returning: one forgotten (`std::mem::forget`), or held
+/// by a suspended fiber whose stack is leaked instead of unwound (a pinned
+/// fiber dropped on another thread than its own, or any suspended fiber
+/// dropped in a `panic = "abort"` build: see
+/// [`Fiber`](spindle_fiber::Fiber)). Drop such fibers on their own thread,
+/// or let them finish. Nor can a thread wait for fibers that only it runs:
+/// its wait parks it.
+///
 /// [`close`]: https://docs.rs/spindle-run-queue/latest/spindle_run_queue/struct.RunQueue.html#method.close
 ///
 /// ```
@@ -105,11 +114,18 @@ impl WaitGroup {
     /// ([`Fiber::interrupt`](spindle_fiber::Fiber::interrupt)) stops
     /// waiting.
     ///
+    /// A group that is done when the wait starts, or by the time the
+    /// interrupt is seen, wins: the wait returns `Ok(())` and the interrupt
+    /// stays pending. In a fiber that is being dropped it does not wait:
+    /// `Ok(())` if the group is done, else `Interrupted` at once. A thread
+    /// waits as in `wait`. The rules are
+    /// [`Semaphore::acquire_interruptible`]'s.
+    ///
     /// # Errors
     ///
     /// [`Interrupted`] if the fiber was interrupted before the group was
-    /// done (the handle is given up either way), as
-    /// [`Semaphore::acquire_interruptible`] says.
+    /// done, or, with the group not done, at once in a fiber being
+    /// dropped. The handle is given up either way.
     #[track_caller]
     pub fn wait_interruptible(self) -> Result<(), Interrupted> {
         let inner = self.leave();
