@@ -4,12 +4,12 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{fiber, watchdog};
-use spindle_fiber::{yield_now, Fiber, FiberAttr, Priority, RunOutcome};
+use common::{fiber, spin_until, watchdog};
+use spindle_fiber::{yield_now, Fiber, FiberAttr, FiberState, Priority, RunOutcome};
 use spindle_run_queue::RunQueue;
 use spindle_sync::{Interrupted, WaitGroup};
 
@@ -140,10 +140,13 @@ fn every_waiter_gets_through() {
                 })
             })
             .collect();
+        // The threads have left the group (they wait, or are about to):
+        // with `member` gone, this thread's wait ends the group. The
+        // fibers waiting ahead of it run only after it returns (this
+        // thread runs their queue): a wait must not depend on the waiters
+        // before it.
+        spin_until(|| group.count() == 2);
         drop(member);
-        // This thread's wait ends the group. The fibers waiting ahead of
-        // it run only after it returns (this thread runs their queue):
-        // a wait must not depend on the waiters before it.
         group.wait();
         for t in threads {
             t.join().unwrap();
@@ -198,6 +201,142 @@ fn a_timed_wait_in_a_fiber_panics_naming_the_group() {
         }
         assert_eq!(group.count(), 1, "the unwind gave up the fiber's handle");
         assert!(group.wait_timeout(Duration::from_secs(30)));
+    });
+}
+
+/// A group that is done wins over a pending interrupt: the waiter that
+/// ends the group gets `Ok`, and the interrupt stays pending for its next
+/// interruptible wait (as the rustdoc says).
+#[test]
+fn a_done_group_wins_over_a_pending_interrupt() {
+    watchdog("a_done_group_wins_over_a_pending_interrupt", 60, |_| {
+        let group = WaitGroup::new();
+        let waiter: Fiber<(Result<(), Interrupted>, bool)> =
+            fiber(Priority::NORMAL, move || (group.wait_interruptible(), spindle_fiber::take_interrupt()));
+        assert!(waiter.set_interrupt());
+        assert!(matches!(waiter.run(), Ok(RunOutcome::Returned((Ok(()), true)))));
+    });
+}
+
+/// A fiber waiter whose run queue is gone has its wake refused when the
+/// group finishes: the waiters behind it, a fiber and a thread, get
+/// through all the same, and the refused fiber, run again by hand, gets
+/// through too.
+#[test]
+fn a_waiter_whose_run_queue_is_gone_holds_up_no_one() {
+    watchdog("a_waiter_whose_run_queue_is_gone_holds_up_no_one", 60, |_| {
+        let group = WaitGroup::new();
+        let g = group.clone();
+        let orphan: Fiber<()> = fiber(Priority::NORMAL, move || g.wait());
+        {
+            let gone = RunQueue::new(1);
+            gone.try_push(orphan.clone()).unwrap();
+            assert!(matches!(gone.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        }
+        assert_eq!(orphan.state(), FiberState::Sleeping);
+        let live = RunQueue::new(1);
+        let g = group.clone();
+        live.try_push(fiber(Priority::NORMAL, move || g.wait())).unwrap();
+        assert!(matches!(live.run_next().unwrap().outcome, Ok(RunOutcome::Slept)));
+        let g = group.clone();
+        let thread = std::thread::spawn(move || g.wait());
+        let member = group.clone();
+        drop(group);
+        spin_until(|| member.count() == 1); // the thread has left too
+        drop(member);
+        thread.join().unwrap();
+        assert!(matches!(live.run_next().unwrap().outcome, Ok(RunOutcome::Returned(()))));
+        assert_eq!(orphan.state(), FiberState::Ready, "its wake was refused");
+        assert!(matches!(orphan.run(), Ok(RunOutcome::Returned(()))));
+    });
+}
+
+/// Fiber waiters woken by the group's end and dropped before they run
+/// (their queue goes with them) give their tokens back; a thread waiting
+/// behind them gets through.
+#[test]
+fn waiters_dropped_once_woken_hold_up_no_one() {
+    watchdog("waiters_dropped_once_woken_hold_up_no_one", 60, |_| {
+        let group = WaitGroup::new();
+        let queue = RunQueue::new(2);
+        for _ in 0..2 {
+            let g = group.clone();
+            queue.try_push(fiber(Priority::NORMAL, move || g.wait())).unwrap();
+        }
+        while let Some(ran) = queue.run_next() {
+            assert!(matches!(ran.outcome, Ok(RunOutcome::Slept)));
+        }
+        let g = group.clone();
+        let thread = std::thread::spawn(move || g.wait());
+        drop(group);
+        spin_until(|| queue.len() == 2); // the group is done: both woken
+        drop(queue);
+        thread.join().unwrap();
+    });
+}
+
+/// Waits in the destructors of a fiber being dropped suspended: an
+/// interruptible one ends at once (the group is not done), a plain one
+/// blocks the dropping thread until the last member, a thread, lets go.
+#[test]
+fn waits_in_a_dropped_fiber() {
+    watchdog("waits_in_a_dropped_fiber", 60, |_| {
+        struct WaitsOnDrop {
+            group: Option<WaitGroup>,
+            interruptible: bool,
+            entered: Arc<AtomicBool>,
+            saw: Arc<Mutex<Option<Result<(), Interrupted>>>>,
+        }
+        impl Drop for WaitsOnDrop {
+            fn drop(&mut self) {
+                let group = self.group.take().unwrap();
+                self.entered.store(true, Ordering::SeqCst);
+                let r = if self.interruptible {
+                    group.wait_interruptible()
+                } else {
+                    group.wait();
+                    Ok(())
+                };
+                *self.saw.lock().unwrap() = Some(r);
+            }
+        }
+        type Saw = Arc<Mutex<Option<Result<(), Interrupted>>>>;
+        let group = WaitGroup::new();
+        // A fiber suspended with a `WaitsOnDrop` on its stack.
+        let suspended = |interruptible: bool| -> (Fiber<()>, Arc<AtomicBool>, Saw) {
+            let (entered, saw) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(None)));
+            let guard = WaitsOnDrop {
+                group: Some(group.clone()),
+                interruptible,
+                entered: entered.clone(),
+                saw: saw.clone(),
+            };
+            let f = fiber(Priority::NORMAL, move || {
+                let _guard = guard;
+                yield_now();
+                unreachable!("dropped suspended");
+            });
+            assert!(matches!(f.run(), Ok(RunOutcome::Yielded(_))));
+            (f, entered, saw)
+        };
+        let (interruptible, _, saw_interrupted) = suspended(true);
+        let (plain, entered, saw) = suspended(false);
+        drop(interruptible);
+        assert_eq!(*saw_interrupted.lock().unwrap(), Some(Err(Interrupted)), "no wait in a dropped fiber");
+
+        let member = group.clone();
+        drop(group);
+        let left = Arc::new(AtomicBool::new(false));
+        let l = left.clone();
+        let last = std::thread::spawn(move || {
+            spin_until(|| entered.load(Ordering::SeqCst));
+            l.store(true, Ordering::SeqCst);
+            drop(member);
+        });
+        drop(plain); // blocks in the destructor's wait until `last` lets go
+        assert!(left.load(Ordering::SeqCst), "the dropped fiber's wait returned before the last member left");
+        assert_eq!(*saw.lock().unwrap(), Some(Ok(())));
+        last.join().unwrap();
     });
 }
 
