@@ -25,7 +25,8 @@ static WAIT_REASON: WaitReason = WaitReason("a wait group");
 /// or panics (the unwind drops the closure's captures), and when a fiber
 /// suspended with one is dropped (its stack is unwound). That makes a
 /// group the way to learn that a set of fibers run by your own workers
-/// has ended, for instance before you [`close`] their run queue.
+/// has ended, for instance before you close their run queue
+/// (`spindle_run_queue::RunQueue::close`).
 ///
 /// A clone that is never dropped keeps the group from finishing, and every
 /// wait on it from returning: one forgotten (`std::mem::forget`), or held
@@ -35,8 +36,6 @@ static WAIT_REASON: WaitReason = WaitReason("a wait group");
 /// [`Fiber`](spindle_fiber::Fiber)). Drop such fibers on their own thread,
 /// or let them finish. Nor can a thread wait for fibers that only it runs:
 /// its wait parks it.
-///
-/// [`close`]: https://docs.rs/spindle-run-queue/latest/spindle_run_queue/struct.RunQueue.html#method.close
 ///
 /// ```
 /// # std::thread::spawn(|| { // a watchdog: a hang fails the example
@@ -134,7 +133,8 @@ impl WaitGroup {
 
     /// Like [`wait`](WaitGroup::wait), for a thread that waits at most
     /// `timeout`: `true` if the group was done in time. The handle is
-    /// given up either way.
+    /// given up either way, so to wait again after a timeout, wait on a
+    /// clone (as the example does).
     ///
     /// ```
     /// use spindle_sync::WaitGroup;
