@@ -1,8 +1,8 @@
 //! Loom models of spindle-sync: a channel's hand-over of a message (this
 //! header), the mutex's state word (module `mutex_model`), a channel's
-//! close against a refused hand-over (module `close_model`) and a thread's
-//! timed wait against a waker (module `timed_model`); docs/loom.md
-//! describes each.
+//! close against a refused hand-over (module `close_model`), a thread's
+//! timed wait against a waker (module `timed_model`) and a wait group's
+//! finish (module `wait_group_model`); docs/loom.md describes each.
 //!
 //! The hand-over: a message to a waiting receiver
 //! (`RawChannel::push` with a receiver waiting; sync/src/wait.rs, waker
@@ -631,4 +631,95 @@ fn a_timed_out_thread_takes_a_token_handed_to_it_or_leaves_it_counted() {
 #[should_panic(expected = "the token was lost or taken twice")]
 fn a_timeout_decided_before_the_lock_loses_a_handed_token() {
     timed_model::check(false);
+}
+
+/// A wait group (sync/src/wait_group.rs, DESIGN.md "Wait group"): two
+/// members each write their own cell and drop their handle; the test
+/// thread drops its own and waits. The semaphore is a loom mutex and
+/// condition variable; the group's count is the real atomic protocol. Every
+/// execution must end with the waiter through and seeing both writes, and
+/// the semaphore holding `OPEN` less the one token taken. With the drop's
+/// `fetch_sub` only `Release` (no `Acquire` for the last member), the last
+/// member's release no longer carries the other member's write, and loom
+/// reports the read of that cell as a race.
+mod wait_group_model {
+    use super::*;
+    use loom::sync::Condvar;
+
+    const OPEN: usize = usize::MAX / 2;
+
+    struct Group {
+        count: AtomicUsize,
+        tokens: Mutex<usize>,
+        cv: Condvar,
+        cells: [UnsafeCell<usize>; 2],
+        drop_order: Ordering,
+    }
+
+    impl Group {
+        /// Member steps 1-2.
+        fn leave(&self) {
+            if self.count.fetch_sub(1, self.drop_order) == 1 {
+                *self.tokens.lock().unwrap() += OPEN;
+                self.cv.notify_all();
+            }
+        }
+
+        /// Waiter step 2: the semaphore's acquire.
+        fn acquire(&self) {
+            let mut tokens = self.tokens.lock().unwrap();
+            while *tokens == 0 {
+                tokens = self.cv.wait(tokens).unwrap();
+            }
+            *tokens -= 1;
+        }
+    }
+
+    pub(super) fn check(drop_order: Ordering) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(move || {
+            let g = Arc::new(Group {
+                count: AtomicUsize::new(3),
+                tokens: Mutex::new(0),
+                cv: Condvar::new(),
+                cells: [UnsafeCell::new(0), UnsafeCell::new(0)],
+                drop_order,
+            });
+            let members: Vec<_> = (0..2)
+                .map(|i| {
+                    let g = g.clone();
+                    thread::spawn(move || {
+                        // SAFETY: only this member writes cell `i` before
+                        // its drop; loom reports any access that races it.
+                        g.cells[i].with_mut(|c| unsafe { *c = i + 1 });
+                        g.leave();
+                    })
+                })
+                .collect();
+            // Waiter step 1 (its own handle), then step 2.
+            g.leave();
+            g.acquire();
+            for (i, cell) in g.cells.iter().enumerate() {
+                // SAFETY: as above; loom checks the order.
+                let v = cell.with(|c| unsafe { *c });
+                assert_eq!(v, i + 1, "the waiter missed a member's write");
+            }
+            for m in members {
+                m.join().unwrap();
+            }
+            assert_eq!(*g.tokens.lock().unwrap(), OPEN - 1);
+        });
+    }
+}
+
+#[test]
+fn a_wait_group_waiter_sees_every_members_work() {
+    wait_group_model::check(Ordering::AcqRel);
+}
+
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn a_wait_group_whose_last_drop_does_not_acquire_races_the_waiter() {
+    wait_group_model::check(Ordering::Release);
 }
