@@ -776,47 +776,34 @@ trait Joinable {
     fn fiber_id_(&self) -> Option<FiberId>;
 }
 
-impl Joinable for JoinHandle<Val> {
-    fn join_(self) -> Result<u64, JoinError> {
-        unwrap_val(self.join())
-    }
-    fn cancel_(&self) {
-        self.cancel()
-    }
-    fn wake_(&self) {
-        self.wake()
-    }
-    fn wait_timeout_(&self, d: Duration) -> bool {
-        self.wait_timeout(d)
-    }
-    fn is_finished_(&self) -> bool {
-        self.is_finished()
-    }
-    fn fiber_id_(&self) -> Option<FiberId> {
-        self.fiber_id()
-    }
+/// The same forwarding for both handle types.
+macro_rules! joinable {
+    (impl$(<$lt:lifetime>)? for $ty:ty) => {
+        impl$(<$lt>)? Joinable for $ty {
+            fn join_(self) -> Result<u64, JoinError> {
+                unwrap_val(self.join())
+            }
+            fn cancel_(&self) {
+                self.cancel()
+            }
+            fn wake_(&self) {
+                self.wake()
+            }
+            fn wait_timeout_(&self, d: Duration) -> bool {
+                self.wait_timeout(d)
+            }
+            fn is_finished_(&self) -> bool {
+                self.is_finished()
+            }
+            fn fiber_id_(&self) -> Option<FiberId> {
+                self.fiber_id()
+            }
+        }
+    };
 }
 
-impl Joinable for ScopedJoinHandle<'_, Val> {
-    fn join_(self) -> Result<u64, JoinError> {
-        unwrap_val(self.join())
-    }
-    fn cancel_(&self) {
-        self.cancel()
-    }
-    fn wake_(&self) {
-        self.wake()
-    }
-    fn wait_timeout_(&self, d: Duration) -> bool {
-        self.wait_timeout(d)
-    }
-    fn is_finished_(&self) -> bool {
-        self.is_finished()
-    }
-    fn fiber_id_(&self) -> Option<FiberId> {
-        self.fiber_id()
-    }
-}
+joinable!(impl for JoinHandle<Val>);
+joinable!(impl<'s> for ScopedJoinHandle<'s, Val>);
 
 struct Kid<H> {
     h: H,
